@@ -1,0 +1,153 @@
+"""The LightningModules of the demo models.
+
+``ParModule`` is a plain LightningModule around an architecture (``self.net``): batches are
+``(inputs, targets)``, the loss is ``loss_fn(net(inputs), targets)``, the optimizer is built from
+plain arguments. It holds no parallelism: strategies read ``parallel_plan()`` (the net's plan, with
+paths rooted at this module) and ``loss_fn`` (which a pipeline's last stage needs on its own).
+Any LightningModule works with the data-parallel strategies; the plan is needed only by the
+techniques that cut the model (pipeline, tensor parallel) or choose units (FSDP, checkpointing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_par.models.cnn import CNN
+from lightning_par.models.gpt import GPT, PRESETS, GPTConfig
+from lightning_par.models.mlp import MLPNet
+from lightning_par.models.plan import ParallelPlan
+
+
+class ParModule(L.LightningModule):
+    #: what the model consumes: "tokens" (B, T) int64, "vectors" (B, D) float, "images" (B, C, H, W) float
+    input_kind: str = "tokens"
+
+    def __init__(
+        self,
+        optimizer: str = "adamw",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        momentum: float = 0.9,
+    ) -> None:
+        super().__init__()
+        if optimizer not in ("adamw", "adam", "sgd"):
+            raise ValueError(f"{type(self).__name__}: unknown optimizer {optimizer!r}; choose adamw, adam or sgd")
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.momentum = momentum
+        self.net: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @staticmethod
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every prediction (tokens or samples)."""
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        cls = torch.optim.AdamW if self.optimizer_name == "adamw" else torch.optim.Adam
+        return cls(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+
+    def parallel_plan(self) -> ParallelPlan:
+        return self.net.parallel_plan().prefixed("net")
+
+    def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
+        """A batch of the right shape (used to count FLOPs on the meta device)."""
+        raise NotImplementedError
+
+    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
+        """A fresh copy of the architecture (used to count FLOPs on the meta device)."""
+        raise NotImplementedError
+
+
+class GPTModule(ParModule):
+    """GPT-style decoder trained on next-token prediction."""
+
+    input_kind = "tokens"
+
+    def __init__(self, preset: str | None = "gpt_small", seq_len: int | None = None, **kwargs: Any) -> None:
+        arch_keys = set(GPTConfig.__dataclass_fields__)
+        arch = {k: kwargs.pop(k) for k in list(kwargs) if k in arch_keys}
+        super().__init__(**kwargs)
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"GPTModule: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        fields = dict(PRESETS[preset]) if preset else {}
+        fields.update(arch)
+        self.config = GPTConfig(**fields)
+        self.seq_len = seq_len or self.config.block_size
+        if self.seq_len > self.config.block_size:
+            raise ValueError(f"GPTModule: seq_len={self.seq_len} exceeds block_size={self.config.block_size}")
+        self.save_hyperparameters()
+        self.net = GPT(self.config)
+
+    def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, self.seq_len, dtype=torch.long, device=device)
+
+    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
+        with torch.device(device):
+            return GPT(self.config)
+
+
+class MLPModule(ParModule):
+    """MLP classifier on synthetic vectors."""
+
+    input_kind = "vectors"
+
+    def __init__(self, in_dim: int = 32, hidden: int = 256, depth: int = 4, n_classes: int = 10, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        self.arch = dict(in_dim=in_dim, hidden=hidden, depth=depth, n_classes=n_classes)
+        self.net = MLPNet(**self.arch)
+
+    def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, self.arch["in_dim"], device=device)
+
+    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
+        with torch.device(device):
+            return MLPNet(**self.arch)
+
+
+class CNNModule(ParModule):
+    """Small CNN with BatchNorm on synthetic images (the SyncBatchNorm case)."""
+
+    input_kind = "images"
+
+    def __init__(self, in_channels: int = 3, channels: tuple[int, ...] = (16, 32), n_classes: int = 10,
+                 image_size: int = 16, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        self.arch = dict(in_channels=in_channels, channels=tuple(channels), n_classes=n_classes)
+        self.image_size = image_size
+        self.net = CNN(**self.arch)
+
+    def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
+        s = self.image_size
+        return torch.zeros(batch_size, self.arch["in_channels"], s, s, device=device)
+
+    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
+        with torch.device(device):
+            return CNN(**self.arch)
