@@ -1,0 +1,7 @@
+"""Layer 5: measurement callbacks -- memory per rank, throughput/MFU, pipeline bubble, run summary."""
+
+from lightning_par.callbacks.memory import MemoryMonitor
+from lightning_par.callbacks.summary import CONTRACT_KEYS, RunSummary, format_summary
+from lightning_par.callbacks.throughput import ThroughputMonitor
+
+__all__ = ["CONTRACT_KEYS", "MemoryMonitor", "RunSummary", "ThroughputMonitor", "format_summary"]

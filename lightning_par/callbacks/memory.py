@@ -1,0 +1,106 @@
+"""Memory per rank, by category.
+
+Model states are counted from the tensors each rank actually holds (local shards only, each
+storage once), at the moment they are all alive: just before the optimizer step, when parameters,
+gradients and optimizer state coexist. The accelerator allocator's peak (CUDA) and the process's
+peak resident set size complete the picture. Figures are per rank, gathered to every rank.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> tuple[int, int]:
+    """(all bytes, host bytes) of tensors, counting each storage once across calls sharing ``seen``."""
+    total = host = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        nbytes = storage.nbytes()
+        total += nbytes
+        host += nbytes if t.device.type == "cpu" else 0
+    return total, host
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def measure_model_states(strategy: Any, module: torch.nn.Module, optimizers: list) -> dict[str, int]:
+    """Bytes of params / grads / optimizer state on this rank, and how many of them sit in host memory
+    because the strategy offloads them."""
+    getter = getattr(strategy, "model_state_tensors", None)
+    if callable(getter):
+        groups = getter()
+    else:  # a plain Lightning strategy: count what the module and optimizers hold
+        groups = {
+            "params": module.parameters(),
+            "grads": (p.grad for p in module.parameters() if p.grad is not None),
+            "optimizer_state": (v for o in optimizers for s in o.state.values() for v in s.values()
+                                if isinstance(v, torch.Tensor)),
+        }
+    seen: set[int] = set()
+    out, offloaded = {}, 0
+    for category in ("params", "grads", "optimizer_state"):
+        total, host = unique_bytes(groups[category], seen)
+        out[category] = total
+        offloaded += host
+    out["offloaded"] = offloaded if getattr(strategy, "offloads", False) else 0
+    return out
+
+
+class MemoryMonitor(L.Callback):
+    """Records model-state bytes per rank before the first measured optimizer step, plus peaks at the end.
+
+    Args:
+        measure_at_step: optimizer step (0-based) whose pre-step state is measured; after the first,
+            so lazily created optimizer state exists.
+    """
+
+    def __init__(self, measure_at_step: int = 1) -> None:
+        self.measure_at_step = measure_at_step
+        self._states: dict[str, int] | None = None
+        self.per_rank: list[dict[str, Any]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._states = None
+        if torch.cuda.is_available() and pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self._states is None and trainer.global_step >= self.measure_at_step:
+            self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._states is None:  # too few steps: measure what is held now
+            self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
+        peak = None
+        if pl_module.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(pl_module.device))
+        mine = {"rank": trainer.global_rank, **self._states, "peak_allocated": peak, "peak_rss": peak_rss_bytes()}
+        self.per_rank = sorted(all_gather_objects(mine), key=lambda r: r["rank"])
+
+    def summary(self) -> dict[str, Any]:
+        return {"memory": self.per_rank}

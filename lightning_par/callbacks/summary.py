@@ -1,0 +1,136 @@
+"""The run summary: ``summary.json`` (the public contract of DESIGN.md) and a short printed table.
+
+Losses: the training loss of every optimizer step, as the mean over the global batch. Each rank
+records its local loss per optimizer step (summing the accumulation-normalized micro-batch losses
+Lightning hands to ``on_train_batch_end``); at the end one all-reduce averages them over ranks
+(data-parallel ranks hold equal-size slices, so the mean of means is the global-batch mean; tensor-
+and pipeline-parallel ranks of one replica report the same loss). One collective per run, none per
+step. The other measurement callbacks (memory, throughput, pipeline bubble) contribute through
+their ``summary()`` methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import lightning as L
+import torch
+
+
+CONTRACT_KEYS = ("strategy", "world_size", "mesh", "model", "n_params", "precision", "global_batch_size", "steps",
+                 "losses", "final_loss", "step_time_s", "samples_per_s", "tokens_per_s", "mfu", "memory", "bubble")
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+class RunSummary(L.Callback):
+    """Writes ``summary.json`` from global rank 0 and prints a table.
+
+    Args:
+        output_dir: where summary.json goes (Hydra's run directory); None: the trainer's root dir.
+        strategy_name / model_name: the config names recorded in the summary.
+        extra: further keys to record verbatim (e.g. the data config name).
+    """
+
+    def __init__(self, output_dir: str | None = None, strategy_name: str | None = None,
+                 model_name: str | None = None, extra: dict[str, Any] | None = None) -> None:
+        self.output_dir = output_dir
+        self.strategy_name = strategy_name
+        self.model_name = model_name
+        self.extra = dict(extra or {})
+        self._local: list[float] = []
+        self._current = 0.0
+        self._step_seen = 0
+        self.n_params = 0
+        self.summary: dict[str, Any] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before the strategy shards or cuts the model: the full parameter count
+        self.n_params = sum(p.numel() for p in pl_module.parameters())
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._local, self._current, self._step_seen = [], 0.0, trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._current += float(loss)
+        if trainer.global_step != self._step_seen:  # an optimizer step just ended
+            self._step_seen = trainer.global_step
+            self._local.append(self._current)
+            self._current = 0.0
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        local = torch.tensor(self._local, dtype=torch.float64, device=pl_module.device)
+        losses = trainer.strategy.reduce(local, reduce_op="mean") if trainer.world_size > 1 else local
+        losses = [float(x) for x in losses.cpu()]
+        parts: dict[str, Any] = {}
+        for cb in trainer.callbacks:
+            if cb is not self and hasattr(cb, "summary") and callable(cb.summary):
+                parts.update(cb.summary())
+        strategy = trainer.strategy
+        mesh = getattr(strategy, "mesh_sizes", None) or {"dp_replicate": trainer.world_size}
+        dm = trainer.datamodule
+        self.summary = {
+            "strategy": self.strategy_name or type(strategy).__name__,
+            "world_size": trainer.world_size,
+            "mesh": dict(mesh),
+            "model": self.model_name or type(pl_module).__name__,
+            "n_params": int(self.n_params),
+            "precision": str(trainer.precision),
+            "global_batch_size": int(getattr(dm, "global_batch_size", 0) or 0) or None,
+            "steps": len(losses),
+            "losses": losses,
+            "final_loss": losses[-1] if losses else None,
+            "step_time_s": None, "samples_per_s": None, "tokens_per_s": None, "mfu": None,
+            "memory": [],
+            "bubble": None,
+            **parts,
+            **self.extra,
+        }
+        if trainer.is_global_zero:
+            out = self.output_dir or trainer.default_root_dir
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "summary.json"), "w") as f:
+                json.dump(self.summary, f, indent=2)
+            print(format_summary(self.summary), flush=True)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    mesh = " x ".join(f"{k}={v}" for k, v in (s.get("mesh") or {}).items())
+    fl = s.get("final_loss")
+    first = s["losses"][0] if s.get("losses") else None
+    lines = [
+        f"strategy {s['strategy']}  world {s['world_size']} ({mesh})  model {s['model']} "
+        f"({s['n_params'] / 1e6:.2f}M params)  precision {s['precision']}",
+        f"steps {s['steps']}  global batch {s['global_batch_size']}  loss {first:.4f} -> {fl:.4f}"
+        if fl is not None and first is not None else f"steps {s['steps']}",
+    ]
+    st = s.get("step_time_s")
+    if st:
+        extra = f"  {s['tokens_per_s']:.0f} tokens/s" if s.get("tokens_per_s") else ""
+        mfu = f"  MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""
+        lines.append(f"step {1000 * st:.1f} ms  {s['samples_per_s']:.1f} samples/s{extra}{mfu}")
+    if s.get("bubble"):
+        b = s["bubble"]
+        lines.append(f"pipeline bubble measured {b.get('measured', 0):.3f}  theory {b.get('theory', 0):.3f}")
+    mem = s.get("memory") or []
+    if mem:
+        lines.append(f"{'rank':>4} {'params':>11} {'grads':>11} {'optim':>11} {'offloaded':>11} {'peak alloc':>11}"
+                     f" {'peak rss':>11}")
+        for m in mem:
+            lines.append(f"{m['rank']:>4} {_fmt_bytes(m['params']):>11} {_fmt_bytes(m['grads']):>11} "
+                         f"{_fmt_bytes(m['optimizer_state']):>11} {_fmt_bytes(m['offloaded']):>11} "
+                         f"{_fmt_bytes(m['peak_allocated']):>11} {_fmt_bytes(m['peak_rss']):>11}")
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""LightningDataModules that need no download.
+
+- ``TextDataModule``: byte-level language modelling on text files already on every machine --
+  by default the Python standard library's own ``.py`` sources (read in sorted order, so the
+  corpus is identical on every rank). Samples are non-overlapping windows of ``seq_len + 1``
+  bytes; the last ``val_fraction`` of the corpus is held out for validation.
+- ``SyntheticTokens``: random tokens, for benchmarks (no I/O, any size).
+- ``SyntheticVectors`` / ``SyntheticImages``: learnable classification data for the MLP and CNN.
+
+``global_batch_size`` is the user's knob: samples per optimizer step over all data-parallel ranks.
+The per-rank micro-batch follows from the data-parallel size (read from the strategy) and
+gradient accumulation; a size that does not divide raises ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_par import ConfigError
+from lightning_par.data.sampler import DataParallelSampler
+
+
+def micro_batch_size(global_batch_size: int, dp_size: int, accumulate: int = 1) -> int:
+    """Per-rank batch of one forward/backward; errors unless it divides exactly."""
+    denom = dp_size * accumulate
+    if global_batch_size < 1 or global_batch_size % denom:
+        raise ConfigError(
+            f"data.global_batch_size={global_batch_size} is not divisible by data-parallel size {dp_size}"
+            f" x accumulate_grad_batches {accumulate} = {denom}; pick a multiple of {denom}"
+        )
+    return global_batch_size // denom
+
+
+class WindowDataset(Dataset):
+    """Non-overlapping (input, next-token target) windows over a 1-D token tensor."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class ParDataModule(L.LightningDataModule):
+    """Shared batching: data-parallel-size independent order, micro-batch from the global batch."""
+
+    #: what the data produces (must match the model's ``input_kind``)
+    kind: str = "tokens"
+
+    def __init__(self, global_batch_size: int = 32, seed: int = 0, shuffle: bool = True, num_workers: int = 0):
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_workers = num_workers
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def _build(self) -> tuple[Dataset, Dataset]:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self._build()
+
+    def dp_coordinates(self) -> tuple[int, int]:
+        """(rank, size) along the data-parallel axis, from the attached trainer's strategy."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+    def _loader(self, dataset: Dataset, *, shuffle: bool, accumulate: int) -> DataLoader:
+        rank, size = self.dp_coordinates()
+        micro = micro_batch_size(self.global_batch_size, size, accumulate)
+        sampler = DataParallelSampler(len(dataset), micro_batch=micro, dp_rank=rank, dp_size=size,
+                                      shuffle=shuffle, seed=self.seed)
+        if sampler.n_micro_batches == 0:
+            raise ConfigError(f"{type(self).__name__}: {len(dataset)} samples cannot fill one global batch of "
+                              f"{micro * size}; lower data.global_batch_size or add data")
+        return DataLoader(dataset, batch_size=micro, sampler=sampler, num_workers=self.num_workers,
+                          drop_last=True, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        return self._loader(self.train_set, shuffle=self.shuffle, accumulate=accumulate)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False, accumulate=1)
+
+
+def stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    return sorted(glob.glob(os.path.join(root, "*.py")))
+
+
+class TextDataModule(ParDataModule):
+    kind = "tokens"
+
+    def __init__(self, files: str | list[str] | None = None, seq_len: int = 128, max_bytes: int = 4_000_000,
+                 val_fraction: float = 0.05, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.files = files
+        self.seq_len = seq_len
+        self.max_bytes = max_bytes
+        self.val_fraction = val_fraction
+
+    def _paths(self) -> list[str]:
+        if self.files in (None, "stdlib"):
+            return stdlib_files()
+        patterns = [self.files] if isinstance(self.files, str) else list(self.files)
+        paths = sorted({p for pat in patterns for p in glob.glob(os.path.expanduser(pat), recursive=True)})
+        if not paths:
+            raise ConfigError(f"TextDataModule: no files match {self.files!r}")
+        return paths
+
+    def read_corpus(self) -> torch.Tensor:
+        data, total = [], 0
+        for path in self._paths():
+            with open(path, "rb") as f:
+                chunk = f.read(self.max_bytes - total)
+            data.append(chunk)
+            total += len(chunk)
+            if total >= self.max_bytes:
+                break
+        return torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
+
+    def _build(self) -> tuple[Dataset, Dataset]:
+        tokens = self.read_corpus()
+        n_val = int(len(tokens) * self.val_fraction)
+        return WindowDataset(tokens[: len(tokens) - n_val], self.seq_len), WindowDataset(
+            tokens[len(tokens) - n_val :], self.seq_len)
+
+
+class SyntheticTokens(ParDataModule):
+    kind = "tokens"
+
+    def __init__(self, n_samples: int = 4096, seq_len: int = 128, vocab_size: int = 256, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.n_samples, self.seq_len, self.vocab_size = n_samples, seq_len, vocab_size
+
+    def _build(self) -> tuple[Dataset, Dataset]:
+        g = torch.Generator().manual_seed(1234)
+        tokens = torch.randint(0, self.vocab_size, (self.n_samples * (self.seq_len + 1) + 1,), generator=g,
+                               dtype=torch.int16)
+        split = int(len(tokens) * 0.95)
+        return WindowDataset(tokens[:split], self.seq_len), WindowDataset(tokens[split:], self.seq_len)
+
+
+class SyntheticVectors(ParDataModule):
+    """Gaussian vectors labelled by a fixed random linear teacher (learnable, no download)."""
+
+    kind = "vectors"
+
+    def __init__(self, n_samples: int = 8192, in_dim: int = 32, n_classes: int = 10, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.n_samples, self.in_dim, self.n_classes = n_samples, in_dim, n_classes
+
+    def _build(self) -> tuple[Dataset, Dataset]:
+        g = torch.Generator().manual_seed(1234)
+        x = torch.randn(self.n_samples, self.in_dim, generator=g)
+        teacher = torch.randn(self.in_dim, self.n_classes, generator=g)
+        y = (x @ teacher).argmax(dim=1)
+        split = int(self.n_samples * 0.9)
+        return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])
+
+
+class SyntheticImages(ParDataModule):
+    """Noisy images whose class sets which of a few fixed patterns is painted in."""
+
+    kind = "images"
+
+    def __init__(self, n_samples: int = 4096, channels: int = 3, image_size: int = 16, n_classes: int = 10,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.n_samples, self.channels, self.image_size, self.n_classes = n_samples, channels, image_size, n_classes
+
+    def _build(self) -> tuple[Dataset, Dataset]:
+        g = torch.Generator().manual_seed(1234)
+        s = self.image_size
+        patterns = torch.randn(self.n_classes, self.channels, s, s, generator=g)
+        y = torch.randint(0, self.n_classes, (self.n_samples,), generator=g)
+        x = patterns[y] + 0.5 * torch.randn(self.n_samples, self.channels, s, s, generator=g)
+        split = int(self.n_samples * 0.9)
+        return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])

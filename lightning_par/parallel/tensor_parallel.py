@@ -1,0 +1,216 @@
+"""Tensor parallelism (Megatron-style column/row splits, optional sequence parallelism) on DTensor.
+
+A model declares a plan: module path pattern (``*`` matches one path component) -> style name.
+``apply_tensor_parallel`` turns the names into DTensor ``ParallelStyle`` objects and applies them
+with ``parallelize_module`` on a 1-D tensor-parallel mesh. The math, for a pair of linears
+``Y = f(X A) B`` (attention q/k/v -> o, MLP fc -> proj):
+
+- ``colwise``: ``A = [A_1 ... A_p]`` split by output columns; rank r computes ``f(X A_r)`` from the
+  full (replicated) ``X``. Attention reads its local head count from the shapes, so a column split
+  of q/k/v is a split of the heads.
+- ``rowwise``: ``B`` split by input rows to match; rank r computes the partial sum ``f(X A_r) B_r``
+  and one all-reduce (or, under sequence parallelism, one reduce-scatter) adds them up.
+- ``embedding``: the token table split by vocabulary rows; each rank looks up the ids it owns
+  (zeros elsewhere) and the partial results are all-reduced (reduce-scattered under SP).
+- ``output``: the LM head, split by vocabulary columns; the logits are gathered (replicated)
+  unless ``loss_parallel``, in which case they stay a DTensor sharded on the vocabulary dim for
+  ``torch.distributed.tensor.parallel.loss_parallel`` (cross-entropy without the gather).
+- ``sequence_parallel``: only with ``sequence_parallel=True`` (skipped otherwise): the LayerNorms
+  between the splits run on a sequence shard (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models"). Between blocks the activations are then local
+  tensors holding this rank's slice of the sequence (dim 1); the module owning each colwise group
+  (``attn``, ``mlp``) all-gathers its input first (``PrepareModuleInput``, as torchtitan's llama
+  ``parallelize`` does) and the rowwise linear reduce-scatters back onto the sequence shard.
+- ``position``: a table of positions (``(T, C)`` lookup), weights replicated as DTensors; its
+  output is replicated, or under SP cut to this rank's sequence slice so it adds to the
+  sequence-sharded token embeddings. Under SP every ``nn.Embedding`` that sits next to an
+  ``embedding`` entry and is not named in the plan (the GPT's ``embed.pos``) gets this style
+  automatically; without SP such tables stay plain replicated parameters (their gradients are
+  identical on every rank because everything around them is replicated).
+
+With SP every parameter of the model ends up a DTensor; without SP the LayerNorms and the
+position table stay plain tensors, identical on all tensor-parallel ranks (same seed).
+Parameters are taken from tensor-parallel rank 0 (``src_data_rank=0``), so ranks need not be
+initialized identically for the split and replicated DTensor parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from fnmatch import fnmatchcase
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel as _torch_loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+log = logging.getLogger(__name__)
+
+STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "position")
+
+
+def check_tp_divisible(tp: int, divisible: dict[str, int]) -> None:
+    """Raise ``ValueError`` (one line) if ``tp`` does not divide one of the named sizes."""
+    if tp < 1:
+        raise ValueError(f"tensor-parallel degree must be a positive integer, got tp={tp}")
+    for name, size in divisible.items():
+        if size % tp:
+            raise ValueError(f"tensor-parallel degree tp={tp} does not divide {name}={size}; "
+                             f"choose a tp that divides it")
+
+
+def match_modules(model: nn.Module, pattern: str) -> list[str]:
+    """Paths of the submodules of ``model`` matching ``pattern`` (``*`` = one path component)."""
+    want = pattern.split(".")
+    found = []
+    for name, _ in model.named_modules():
+        parts = name.split(".") if name else []
+        if len(parts) == len(want) and all(fnmatchcase(p, w) for p, w in zip(parts, want)):
+            found.append(name)
+    return found
+
+
+class ReplicateSequenceSlice(ParallelStyle):
+    """Replicate a module's parameters as DTensors; hand back its output replicated, or (when
+    ``shard_dim`` is given) this rank's slice of it along ``shard_dim`` (negative dims count from the
+    end). Gradients of the replicated parameters are all-reduced by DTensor."""
+
+    def __init__(self, *, shard_dim: int | None = None) -> None:
+        super().__init__()
+        self.shard_dim = shard_dim
+
+    def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _inputs(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    @staticmethod
+    def _output(shard_dim: int | None, mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        if shard_dim is not None:
+            out = out.redistribute(placements=[Shard(shard_dim % out.ndim)])
+        return out.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate, self._inputs,
+                                 partial(self._output, self.shard_dim))
+
+
+class ReplicatedSequenceParallel(SequenceParallel):
+    """torch's ``SequenceParallel``, but its replicated parameters are broadcast from tensor-parallel
+    rank 0 (torch's version assumes every rank already holds identical LayerNorm weights)."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _style(name: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None:
+    seq = Shard(1)  # (B, T, C): the sequence dim
+    if name == "colwise":
+        return ColwiseParallel()  # under SP the owning module all-gathers the input (see below)
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=seq) if sp else RowwiseParallel()
+    if name == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    if name == "output":
+        return ColwiseParallel(input_layouts=seq if sp else Replicate(),
+                               output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    if name == "sequence_parallel":
+        return ReplicatedSequenceParallel() if sp else None
+    if name == "position":
+        return ReplicateSequenceSlice(shard_dim=-2 if sp else None)  # (T, C) or (B, T, C): T is dim -2
+    raise ValueError(f"unknown tensor-parallel style {name!r}; expected one of {', '.join(STYLES)}")
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    *,
+    tp_mesh: DeviceMesh,
+    plan: dict[str, str] | None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    divisible: dict[str, int] | None = None,
+    strict: bool = True,
+) -> dict[str, str]:
+    """Apply ``plan`` (path pattern -> style name, see the module docstring) to ``model`` in place.
+
+    Args:
+        tp_mesh: 1-D tensor-parallel mesh (``mesh["tp"]``).
+        sequence_parallel: shard LayerNorms and the activations between blocks on the sequence dim.
+        loss_parallel: keep the ``output`` logits sharded on the vocabulary dim (a DTensor); compute
+            the loss and its backward under :func:`loss_parallel_context`.
+        divisible: sizes ``tp`` must divide (the model plan's ``tp_divisible``), checked first.
+        strict: every pattern must match a module. Pipeline stages hold part of a model, so
+            callers applying a whole-model plan to one stage pass ``strict=False``.
+
+    Returns the applied plan: concrete module path -> style name (skipped entries left out).
+    """
+    if not plan:
+        raise ValueError("tensor parallelism needs a plan, but the model's tp_plan is empty; "
+                         "declare one in the model's parallel_plan() or turn tp off")
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D; "
+                         "pass mesh['tp']")
+    check_tp_divisible(tp_mesh.size(), divisible or {})
+
+    applied: dict[str, str] = {}
+    for pattern, style in plan.items():
+        _style(style, sp=False, loss_parallel=False)  # validates the name
+        paths = match_modules(model, pattern)
+        if not paths and strict:
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module of {type(model).__name__}")
+        if style == "sequence_parallel" and not sequence_parallel:
+            continue
+        applied.update((p, style) for p in paths)
+
+    if sequence_parallel:
+        # position tables beside a vocabulary-split embedding must follow it onto the sequence shard
+        for path in [p for p, s in applied.items() if s == "embedding"]:
+            parent = path.rpartition(".")[0]
+            owner = model.get_submodule(parent)
+            for child_name, child in owner.named_children():
+                child_path = f"{parent}.{child_name}" if parent else child_name
+                if isinstance(child, nn.Embedding) and child_path not in applied:
+                    applied[child_path] = "position"
+                    log.info("tensor parallel: %s treated as a position table (replicated, sequence-sliced)",
+                             child_path)
+
+    styles: dict[str, ParallelStyle] = {}
+    for path, name in applied.items():
+        style = _style(name, sp=sequence_parallel, loss_parallel=loss_parallel)
+        assert style is not None
+        styles[path] = style
+    if sequence_parallel:
+        # the module owning each colwise group receives the sequence shard and all-gathers it once
+        for owner in dict.fromkeys(p.rpartition(".")[0] for p, s in applied.items() if s == "colwise"):
+            styles[owner] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+    for path, style in styles.items():
+        parallelize_module(model.get_submodule(path) if path else model, tp_mesh, style)
+    log.info("tensor parallel: tp=%d, %d modules (%s), sequence_parallel=%s, loss_parallel=%s",
+             tp_mesh.size(), len(applied), ", ".join(sorted(set(applied.values()))), sequence_parallel,
+             loss_parallel)
+    return applied
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """``torch``'s ``loss_parallel()`` when enabled, else a no-op; wrap the loss *and* its backward."""
+    return _torch_loss_parallel() if enabled else contextlib.nullcontext()

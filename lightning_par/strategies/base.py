@@ -1,0 +1,101 @@
+"""What every lightning_par strategy shares, on top of Lightning's own strategy classes.
+
+``ParStrategyMixin`` adds: the multirun-safe launcher (see ``launcher.py``), a ``ParallelDims``
+description of the mesh (``mesh_sizes`` for the run summary), data-parallel sampler ranks taken
+from the mesh's data-parallel axis, optional per-block activation checkpointing from the model's
+plan, and ``model_state_tensors`` -- the tensors this rank holds per category, which the memory
+callback counts. Strategies stay thin: they decide the mesh and call layer 1 (``parallel/``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch import nn
+
+from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.mesh import ParallelDims
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` stored on this rank (a DTensor's local shard, else ``t`` itself)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def model_plan(module: nn.Module):
+    """The module's declared ``ParallelPlan``, or None for modules that declare none."""
+    fn = getattr(module, "parallel_plan", None)
+    return fn() if callable(fn) else None
+
+
+class ParStrategyMixin:
+    """Mixed into a Lightning ``Strategy`` subclass (it must come first in the bases)."""
+
+    #: set by run.py: the command that starts ranks 1..N-1 (None: Lightning's script re-run)
+    child_command: Sequence[str] | None = None
+    child_cwd: str | None = None
+    #: True when the strategy keeps model states in host memory (offload)
+    offloads: bool = False
+    activation_checkpointing: bool = False
+
+    # ----------------------------------------------------------------------------- mesh
+    def dims_for(self, world_size: int) -> ParallelDims:
+        """The mesh this strategy builds for ``world_size`` processes (pure: no process group needed)."""
+        return ParallelDims(dp_replicate=world_size)
+
+    def validate_setup(self, world_size: int, module: nn.Module) -> None:
+        """Raise ``ValueError`` (one line) if this strategy cannot run ``module`` on ``world_size`` ranks.
+
+        Called by run.py before any process starts; the default checks only the mesh.
+        """
+        self.dims_for(world_size).validate(world_size)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        return self.dims_for(max(1, getattr(self, "world_size", 1)))
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        return self.parallel_dims.sizes()
+
+    # ------------------------------------------------------------------------- launcher
+    def _make_launcher(self) -> _SubprocessScriptLauncher:
+        from lightning_par.strategies.launcher import ChildCommandLauncher
+
+        return ChildCommandLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                    child_command=self.child_command, child_cwd=self.child_cwd)
+
+    # -------------------------------------------------------------------- techniques
+    def _apply_activation_checkpointing(self, module: nn.Module) -> None:
+        if not self.activation_checkpointing:
+            return
+        plan = model_plan(module)
+        if plan is None or not plan.blocks:
+            raise ValueError(f"{type(self).__name__}: activation_checkpointing needs a model that declares its"
+                             " blocks (parallel_plan().blocks); this model declares none")
+        apply_activation_checkpointing(module, blocks=plan.blocks)
+
+    # ------------------------------------------------------------------- measurement
+    def model_state_tensors(self) -> dict[str, Iterator[torch.Tensor]]:
+        """Tensors this rank holds, by category (local shards only)."""
+        module = self.lightning_module
+        params = [local_tensor(p) for p in module.parameters()]
+        grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
+        states: list[torch.Tensor] = []
+        for opt in getattr(self, "optimizers", []) or []:
+            for state in _optimizer_states(opt):
+                states.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}
+
+    def describe(self) -> dict[str, Any]:
+        return {"mesh": self.mesh_sizes}
+
+
+def _optimizer_states(opt: Any) -> Iterator[dict]:
+    inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
+    source = inner if isinstance(inner, torch.optim.Optimizer) else opt
+    yield from source.state.values()

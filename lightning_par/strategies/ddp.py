@@ -1,0 +1,61 @@
+"""``ddp``: data parallelism with torch's ``DistributedDataParallel`` (gloo on CPU, NCCL on CUDA).
+
+Every rank holds the full model, optimizer and gradients; gradients are averaged by bucketed
+all-reduce overlapped with backward. This is Lightning's ``DDPStrategy`` with (a) the
+multirun-safe launcher, (b) SyncBatchNorm as a strategy option (so a config file can turn it on),
+and (c) optional per-block activation checkpointing from the model's plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy as _LightningDDP
+from typing_extensions import override
+
+from lightning_par.strategies.base import ParStrategyMixin
+
+
+class DDPStrategy(ParStrategyMixin, _LightningDDP):
+    """Distributed data parallel.
+
+    Args:
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm (statistics over the global batch).
+        bucket_cap_mb: gradient bucket size for the all-reduce (torch's default 25).
+        gradient_as_bucket_view: let ``.grad`` alias the communication buckets (saves one gradient copy).
+        static_graph: the graph is the same every step (enables DDP's optimizations).
+        find_unused_parameters: tolerate parameters that get no gradient (slower).
+        activation_checkpointing: recompute each declared block's activations in backward.
+        process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+    """
+
+    strategy_name = "lp_ddp"
+
+    def __init__(self, sync_batchnorm: bool = False, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True,
+                 static_graph: bool = False, find_unused_parameters: bool = False,
+                 activation_checkpointing: bool = False, process_group_backend: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(process_group_backend=process_group_backend, bucket_cap_mb=bucket_cap_mb,
+                         gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                         find_unused_parameters=find_unused_parameters, **kwargs)
+        self.sync_batchnorm = sync_batchnorm
+        self.activation_checkpointing = activation_checkpointing
+
+    # Lightning's trainer overwrites ``_layer_sync`` from its own ``sync_batchnorm`` flag; keep ours on.
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return TorchSyncBatchNorm() if self.sync_batchnorm else self.__dict__.get("_trainer_layer_sync")
+
+    @_layer_sync.setter
+    def _layer_sync(self, value: LayerSync | None) -> None:
+        self.__dict__["_trainer_layer_sync"] = value
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = self._make_launcher()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self._apply_activation_checkpointing(self.lightning_module)
+        super().setup(trainer)

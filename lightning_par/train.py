@@ -1,0 +1,152 @@
+"""Where config meets code: ``train(cfg)`` validates, instantiates and fits; nothing below it sees
+a config node.
+
+Order: validate everything that can be checked without processes (names, sizes, precision,
+devices, model/data match, the strategy's own constraints) and raise ``ConfigError`` with one line;
+then build data, model, strategy, callbacks, logger and trainer; then fit. For multi-process runs
+started here (not by torchrun or Slurm), the resolved config is written next to the run's Hydra
+files and ranks 1..N-1 are started as ``python -m lightning_par.child <that file>`` -- which is why
+Hydra multirun works (see ``strategies/launcher.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.fabric.connector import _PRECISION_INPUT_STR
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_par import ConfigError
+
+PRECISIONS = tuple(p for p in typing.get_args(_PRECISION_INPUT_STR) if not p.startswith("transformer"))
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK",
+             "OMP_NUM_THREADS", "PL_GLOBAL_SEED")
+
+
+def _accelerator(cfg: DictConfig) -> str:
+    acc = str(cfg.trainer.get("accelerator", "auto"))
+    if acc in ("auto", "gpu"):
+        return "cuda" if torch.cuda.is_available() else ("cpu" if acc == "auto" else "gpu")
+    return acc
+
+
+def world_size_of(cfg: DictConfig) -> int:
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, str) and devices != "auto":
+        devices = int(devices)
+    if devices in ("auto", -1):
+        devices = torch.cuda.device_count() if _accelerator(cfg) == "cuda" else 1
+    if isinstance(devices, (list, tuple)) or hasattr(devices, "__len__"):
+        devices = len(devices)
+    return int(devices) * int(cfg.trainer.get("num_nodes", 1))
+
+
+def launched_externally() -> bool:
+    """True under torchrun or srun: the cluster, not Lightning, starts the processes."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    return TorchElasticEnvironment.detect() or SLURMEnvironment.detect()
+
+
+def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodule: Any) -> int:
+    """Check everything checkable before processes start; returns the world size."""
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    acc = _accelerator(cfg)
+    if acc == "gpu":
+        raise ConfigError("trainer.accelerator=gpu but no GPU is visible; use trainer.accelerator=cpu or auto")
+    if acc == "cpu" and precision.startswith("16"):
+        raise ConfigError(f"precision {precision} needs a GPU; on CPU use bf16-mixed, bf16-true or 32-true")
+    world = world_size_of(cfg)
+    devices = world // int(cfg.trainer.get("num_nodes", 1))
+    if acc == "cuda" and devices > torch.cuda.device_count():
+        raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
+    model_kind = getattr(model, "input_kind", None)
+    data_kind = getattr(datamodule, "kind", None)
+    if model_kind and data_kind and model_kind != data_kind:
+        raise ConfigError(f"model {type(model).__name__} takes {model_kind} but data {type(datamodule).__name__} "
+                          f"gives {data_kind}; pick a matching data= (or use an experiment= preset)")
+    validate_strategy = getattr(strategy, "validate_setup", None)
+    if callable(validate_strategy):
+        try:
+            validate_strategy(world, model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        dims = strategy.dims_for(world)
+        from lightning_par.data import micro_batch_size
+
+        micro_batch_size(int(cfg.data.global_batch_size), dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1)))
+    return world
+
+
+@contextmanager
+def _restored_process_env() -> Iterator[None]:
+    """Undo what one training job changes in this process, so the next multirun job starts clean
+    (a fresh port, its own thread count, no leftover process group)."""
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate every part of a run from its config (no processes started)."""
+    try:
+        strategy = instantiate(cfg.strategy)
+        model = instantiate(cfg.model)
+        datamodule = instantiate(cfg.data)
+    except Exception as e:  # hydra wraps constructor errors; show the cause in one line
+        cause = e.__cause__ or e
+        raise ConfigError(f"{type(cause).__name__}: {cause}") from None
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    return dict(strategy=strategy, model=model, datamodule=datamodule, callbacks=callbacks, logger=logger)
+
+
+def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
+    """Validate, instantiate and fit one run; returns the run summary on global rank 0."""
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)  # same seed: same weights on every rank
+    parts = build(cfg)
+    strategy = parts["strategy"]
+    world = validate(cfg, strategy, parts["model"], parts["datamodule"])
+    trainer_kwargs: dict[str, Any] = {}
+    if world == 1 or getattr(strategy, "strategy_name", "") == "lp_single":
+        trainer_kwargs["devices"] = 1
+    out_dir = str(cfg.paths.output_dir)
+    if world > 1 and not child and not launched_externally():
+        config_path = _write_child_config(cfg, out_dir)
+        strategy.child_command = [sys.executable, "-m", "lightning_par.child", config_path]
+        strategy.child_cwd = os.getcwd()
+    with _restored_process_env():
+        trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=parts["callbacks"], logger=parts["logger"],
+                              **trainer_kwargs)
+        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+        summary = next((cb.summary for cb in trainer.callbacks if type(cb).__name__ == "RunSummary"), None)
+    return summary if trainer.is_global_zero else None
+
+
+def _write_child_config(cfg: DictConfig, out_dir: str) -> str:
+    """The fully resolved config, where the child ranks read it (next to Hydra's own files)."""
+    hydra_dir = os.path.join(out_dir, ".hydra")
+    os.makedirs(hydra_dir, exist_ok=True)
+    path = os.path.join(hydra_dir, "resolved.yaml")
+    OmegaConf.save(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), path)
+    return path
