@@ -68,6 +68,9 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
         raise ConfigError(f"precision {precision} needs a GPU; on CPU use bf16-mixed, bf16-true or 32-true")
     world = world_size_of(cfg)
     devices = world // int(cfg.trainer.get("num_nodes", 1))
+    if getattr(strategy, "single_process", False) and world > 1:
+        print(f"note: strategy {cfg.strategy._target_.rsplit('.', 1)[-1]} runs one process; trainer.devices={devices} is ignored")
+        world = 1
     if acc == "cuda" and devices > torch.cuda.device_count():
         raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
     model_kind = getattr(model, "input_kind", None)
@@ -128,8 +131,8 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     strategy = parts["strategy"]
     world = validate(cfg, strategy, parts["model"], parts["datamodule"])
     trainer_kwargs: dict[str, Any] = {}
-    if world == 1 or getattr(strategy, "strategy_name", "") == "lp_single":
-        trainer_kwargs["devices"] = 1
+    if world == 1:
+        trainer_kwargs.update(devices=1, num_nodes=1)
     out_dir = str(cfg.paths.output_dir)
     if world > 1 and not child and not launched_externally():
         config_path = _write_child_config(cfg, out_dir)

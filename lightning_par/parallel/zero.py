@@ -85,10 +85,6 @@ class Zero2Optimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, process_group=None,
                  max_grad_norm: float | None = None) -> None:
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
-        self.max_grad_norm = max_grad_norm
         names = {p: n for n, p in module.named_parameters()}
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         missing = [tuple(p.shape) for p in self._params if p not in names]
@@ -99,6 +95,10 @@ class Zero2Optimizer(torch.optim.Optimizer):
         self._fqns = [names[p] for p in self._params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self.last_grad_norm: torch.Tensor | None = None
+        self.max_grad_norm = max_grad_norm
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
         self._offsets, total = [], 0
         for p in self._params:
             self._offsets.append(total)

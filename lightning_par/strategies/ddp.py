@@ -12,9 +12,21 @@ from typing import Any
 
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDP
+from torch.nn import Module
 from typing_extensions import override
 
+from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_par.strategies.base import ParStrategyMixin
+
+
+class GlobalSyncBatchNorm(LayerSync):
+    """Lightning ``LayerSync`` plugin for lightning_par's device-agnostic synchronized BatchNorm."""
+
+    def apply(self, model: Module) -> Module:
+        return convert_sync_batchnorm(model)
+
+    def revert(self, model: Module) -> Module:
+        return revert_sync_batchnorm(model)
 
 
 class DDPStrategy(ParStrategyMixin, _LightningDDP):
@@ -43,9 +55,13 @@ class DDPStrategy(ParStrategyMixin, _LightningDDP):
         self.activation_checkpointing = activation_checkpointing
 
     # Lightning's trainer overwrites ``_layer_sync`` from its own ``sync_batchnorm`` flag; keep ours on.
+    # torch's SyncBatchNorm refuses CPU modules, so on CPU the global-statistics BatchNorm of layer 1 is used.
     @property
     def _layer_sync(self) -> LayerSync | None:
-        return TorchSyncBatchNorm() if self.sync_batchnorm else self.__dict__.get("_trainer_layer_sync")
+        wanted = self.sync_batchnorm or self.__dict__.get("_trainer_layer_sync") is not None
+        if not wanted:
+            return None
+        return TorchSyncBatchNorm() if self.root_device.type == "cuda" else GlobalSyncBatchNorm()
 
     @_layer_sync.setter
     def _layer_sync(self, value: LayerSync | None) -> None:

@@ -21,6 +21,8 @@ class SingleDeviceStrategy(ParStrategyMixin, _LightningSingleDevice):
     """
 
     strategy_name = "lp_single"
+    #: one process whatever ``trainer.devices`` says, so ``-m strategy=single,ddp trainer.devices=2`` sweeps work
+    single_process = True
 
     def __init__(self, device: str = "auto", activation_checkpointing: bool = False, **kwargs: Any) -> None:
         if device == "auto":
