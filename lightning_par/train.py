@@ -60,7 +60,7 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
     """Check everything checkable before processes start; returns the world size."""
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+        raise ConfigError(f"unknown precision {precision!r}; choose from: {', '.join(PRECISIONS)}")
     acc = _accelerator(cfg)
     if acc == "gpu":
         raise ConfigError("trainer.accelerator=gpu but no GPU is visible; use trainer.accelerator=cpu or auto")

@@ -89,6 +89,8 @@ def _tp_worker(rank: int, world_size: int) -> dict:
             losses.append(_full(loss).item())
             ref_losses.append(ref_loss.item())
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if name.endswith("attn.wk.bias"):  # softmax ignores it: its gradient is rounding noise, which Adam amplifies
+                continue
             torch.testing.assert_close(_full(p.detach()), q.detach(), msg=f"{name} after 3 steps (sp={sp}, lp={lp})")
         results[(sp, lp)] = (losses, ref_losses, type(model.embed.pos.weight).__name__)
     return results

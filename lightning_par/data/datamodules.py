@@ -88,7 +88,7 @@ class ParDataModule(L.LightningDataModule):
         rank, size = self.dp_coordinates()
         micro = micro_batch_size(self.global_batch_size, size, accumulate)
         sampler = DataParallelSampler(len(dataset), micro_batch=micro, dp_rank=rank, dp_size=size,
-                                      shuffle=shuffle, seed=self.seed)
+                                      accumulate=accumulate, shuffle=shuffle, seed=self.seed)
         if sampler.n_micro_batches == 0:
             raise ConfigError(f"{type(self).__name__}: {len(dataset)} samples cannot fill one global batch of "
                               f"{micro * size}; lower data.global_batch_size or add data")

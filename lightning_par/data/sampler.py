@@ -4,7 +4,7 @@ One permutation of the dataset (seeded, re-drawn per epoch) is cut into consecut
 micro-batches of ``dp_size * micro_batch`` samples; rank ``r`` takes the ``r``-th slice of each.
 So the union of the ranks' batches at step ``i`` is exactly the single-device batch at step ``i``
 -- the precondition of the loss-parity rule. Samples that do not fill a whole global micro-batch
-at the end of an epoch are dropped (every rank runs the same number of steps).
+at the end of an epoch are dropped (every rank runs the same number of whole optimizer steps).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils.data import Sampler
 
 class DataParallelSampler(Sampler[int]):
     def __init__(self, n_samples: int, *, micro_batch: int, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle: bool = True, seed: int = 0) -> None:
+                 accumulate: int = 1, shuffle: bool = True, seed: int = 0) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"DataParallelSampler: dp_rank={dp_rank} outside [0, {dp_size})")
         self.n_samples = n_samples
@@ -28,7 +28,9 @@ class DataParallelSampler(Sampler[int]):
         self.seed = seed
         self.epoch = 0
         self.global_micro = micro_batch * dp_size
-        self.n_micro_batches = n_samples // self.global_micro
+        # whole optimizer steps only: a partial accumulation at the epoch's end would be a step the
+        # single-device run (one micro-batch per step) does not have
+        self.n_micro_batches = n_samples // (self.global_micro * accumulate) * accumulate
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

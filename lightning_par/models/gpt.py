@@ -50,7 +50,7 @@ class GPTConfig:
 
 # Presets from a CPU-sized toy to the GPT-2 family and a 7B shape (LLaMA-7B's width and depth).
 PRESETS: dict[str, dict] = {
-    "gpt_tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64),
+    "gpt_tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=128),
     "gpt_small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
     "gpt2_medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),

@@ -290,6 +290,15 @@ class TimedPipelineStage(PipelineStage):
         with self.timer.record(self.stage_index, "W", bwd_chunk_id):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
+    # torch 2.13's runtime still hands gradients between two stages of one rank (V placement) when
+    # the schedule runs forward-only (``schedule.eval``) and then asserts; nothing to hand over there.
+    def get_local_bwd_output(self, mb_index):  # type: ignore[override]
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):  # type: ignore[override]
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 # ---------------------------------------------------------------------------------------------
 # Schedule

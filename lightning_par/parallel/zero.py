@@ -57,7 +57,8 @@ class Zero2Optimizer(torch.optim.Optimizer):
     """ZeRO stage 2: optimizer state and gradients sharded over the data-parallel group.
 
     Layout: the optimizer's parameters, in param-group order, are re-pointed (``p.data = view``)
-    into ONE flat fp32 buffer of ``P = ceil(Ψ / N) * N`` elements (zero padding at the end). Rank
+    into ONE flat buffer (fp32: Lightning's mixed precision autocasts, so no master copy is needed)
+    of ``P = ceil(Ψ / N) * N`` elements (zero padding at the end). Rank
     ``r`` owns ``flat[r*S:(r+1)*S]`` with ``S = P / N``. Parameters stay full and replicated.
 
     ``step()`` runs after backward, on the *local, un-reduced* gradients (do not wrap the model in

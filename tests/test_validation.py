@@ -1,0 +1,59 @@
+"""Bad input stops with a one-line error before any process starts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_par import ConfigError
+from lightning_par.data import TextDataModule
+from lightning_par.models import GPTModule
+from lightning_par.strategies import DDPStrategy
+from lightning_par.train import validate
+from tests.helpers import run_cli
+
+
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["strategy=zer3"], r"unknown strategy 'zer3'; choose from: .*ddp.*single"),
+        (["-m", "strategy=ddp,nope"], r"unknown strategy 'nope'"),
+        (["model=gpt5"], r"unknown model 'gpt5'; choose from: .*gpt_small"),
+        (["data=imagenet"], r"unknown data 'imagenet'; choose from: .*text"),
+        (["strategy=ddp", "trainer.devices=2", "data.global_batch_size=7"], r"global_batch_size=7 is not divisible"),
+        (["trainer.precision=fp8"], r"unknown precision 'fp8'; choose from: .*bf16-mixed"),
+        (["trainer.precision=16-mixed"], r"needs a GPU"),
+        (["model=mlp"], r"takes vectors but data TextDataModule gives tokens"),
+        (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
+        (["mode=serve"], r"unknown mode 'serve'"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, pattern):
+    start = time.monotonic()
+    proc = run_cli(args, tmp_path / "run", timeout=60, check=False)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+    assert not (tmp_path / "run" / "summary.json").exists()
+    assert time.monotonic() - start < 30  # stopped before training, not after
+
+
+def _cfg(**trainer):
+    return OmegaConf.create({"trainer": {"accelerator": "cuda", "devices": 4, "num_nodes": 1,
+                                         "precision": "32-true", **trainer},
+                             "data": {"global_batch_size": 8}})
+
+
+def test_more_devices_than_gpus(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"trainer.devices=4 but this machine has 2 GPU\(s\)"):
+        validate(_cfg(), DDPStrategy(), GPTModule(preset="gpt_tiny"), TextDataModule())
