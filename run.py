@@ -41,6 +41,11 @@ def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    # A failed job leaves error.json in its output dir (lightning_par/jobs.py). A single run exits 2 on
+    # a configuration mistake; in a sweep the error goes back to Hydra, which marks this job failed,
+    # runs the others and ends with a nonzero exit (sys.exit here would stop the whole sweep).
+    from lightning_par.jobs import hydra_job, record_failure
+
     try:
         if cfg.mode == "estimate":
             from lightning_par.estimate import run_estimate
@@ -54,8 +59,14 @@ def main(cfg: DictConfig) -> float | None:
         summary = train(cfg)
         return summary["final_loss"] if summary else None
     except ConfigError as e:
+        record_failure(e)
         print(f"error: {e}", file=sys.stderr)
+        if hydra_job().get("multirun"):
+            raise
         sys.exit(2)
+    except Exception as e:
+        record_failure(e)
+        raise
 
 
 if __name__ == "__main__":

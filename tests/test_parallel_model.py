@@ -172,10 +172,11 @@ def _pp_worker(rank: int, world_size: int, variants: list[tuple[str, int]]) -> d
                 o.zero_grad()
             losses.append(loss.item())
             ref_losses.append(ref_loss.item())
-        x, y = _batches(1)[0]
-        eval_loss = pipe.eval_step(x, y).item()
-        with torch.no_grad():
-            ref_eval = _lm_loss(ref(x), y).item()
+            if step == 1:  # forward-only pass between training steps
+                x, y = _batches(4)[3]
+                eval_loss = pipe.eval_step(x, y).item()
+                with torch.no_grad():
+                    ref_eval = _lm_loss(ref(x), y).item()
         stats = pipe.bubble()
         results[schedule] = dict(losses=losses, ref_losses=ref_losses, eval=(eval_loss, ref_eval),
                                  stages=[m.stage_index for m in pipe.modules], bubble=stats)
@@ -245,6 +246,7 @@ def test_stage_modules_keep_fqns_and_compose() -> None:
 @pytest.mark.parametrize("schedule, kw, match", [
     ("1f1b", dict(pp_size=4, n_microbatches=2), "needs n_microbatches >= pipeline stages"),
     ("interleaved_1f1b", dict(pp_size=4, n_microbatches=3, virtual_stages=2), "needs n_microbatches"),
+    ("interleaved_1f1b", dict(pp_size=2, n_microbatches=5, virtual_stages=2), "multiple of n_microbatches // pp"),
     ("gpipe", dict(pp_size=4, n_microbatches=8, n_layers=3), "cannot cut 3 layers into 4 pipeline stages"),
     ("interleaved_1f1b", dict(pp_size=4, n_microbatches=4, virtual_stages=2, n_layers=6), "into 8 pipeline"),
     ("gpipe", dict(pp_size=2, n_microbatches=2, virtual_stages=2), "one stage per rank"),

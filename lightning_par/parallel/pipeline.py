@@ -190,6 +190,10 @@ def validate_pipeline(schedule: str, *, pp_size: int, n_microbatches: int, virtu
     if schedule in ONE_F_ONE_B and n_microbatches < pp_size:
         raise ValueError(f"schedule {schedule} needs n_microbatches >= pipeline stages per step "
                          f"(pp={pp_size}), got n_microbatches={n_microbatches}")
+    rounds = max(1, n_microbatches // pp_size)
+    if schedule in ("interleaved_1f1b", "zb") and n_microbatches % rounds:
+        raise ValueError(f"schedule {schedule} needs n_microbatches to be a multiple of "
+                         f"n_microbatches // pp = {rounds}, got n_microbatches={n_microbatches}")
     n_stages = pp_size * virtual_stages
     if n_layers is not None and n_layers < n_stages:
         raise ValueError(f"cannot cut {n_layers} layers into {n_stages} pipeline stages "
