@@ -364,7 +364,7 @@ def plot_memory(runs: Sequence[Run], out: Path) -> str | None:
         ax.text(cx, -0.12, lab, ha="center", va="top", transform=ax.get_xaxis_transform(), fontsize=8)
     ax.set_ylabel(f"model states per rank ({unit})")
     ax.set_title("Memory per rank by category")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, out / "memory.png")
 
@@ -403,11 +403,11 @@ def plot_losses(runs: Sequence[Run], out: Path) -> str | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-."]  # runs that agree (loss parity) lie on top of each other: vary the dashes
     for i, (r, ls) in enumerate(data):
         steps = [j + 1 for j, v in enumerate(ls) if v is not None]
-        ax.plot(steps, [v for v in ls if v is not None], styles[(i // 10) % len(styles)], label=r.label,
-                linewidth=1.3, alpha=0.85)
+        ax.plot(steps, [v for v in ls if v is not None], linestyle=styles[i % len(styles)], label=r.label,
+                linewidth=1.4, alpha=0.85)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (global batch mean)")
     ax.set_title("Loss curves")

@@ -203,6 +203,20 @@ class SlurmCluster:
         raise TimeoutError(f"Slurm job {job_id} still queued/running after {timeout:.0f} s "
                            f"(state {self.job_state(job_id)}); cancelled")
 
+    def queue(self) -> list[str]:
+        """Ids of the jobs (array tasks too) still pending or running."""
+        proc = self.run(["squeue", "-h", "-o", "%i"], timeout=30)
+        return proc.stdout.split() if proc.returncode == 0 else []
+
+    def wait_empty(self, timeout: float = 60, poll: float = 0.5) -> list[str]:
+        """Poll until no job is queued or running; returns what is left at the deadline."""
+        deadline = time.monotonic() + timeout
+        left = self.queue()
+        while left and time.monotonic() < deadline:
+            time.sleep(poll)
+            left = self.queue()
+        return left
+
     def logs(self, lines: int = 40) -> str:
         out = []
         for name in ("slurmctld.log", "slurmd.log"):
@@ -213,8 +227,17 @@ class SlurmCluster:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def stop(self, timeout: float = 30) -> None:
-        """Stop what this cluster started: pids are read from the pid files first (slurmd removes its
-        own on exit), then each gets SIGTERM and is waited for (SIGKILL after ``timeout``)."""
+        """Stop what this cluster started. Jobs still queued or running are cancelled first and waited
+        for (so no job step outlives slurmd); then the daemons' pids are read from their pid files
+        (slurmd removes its own on exit), each gets SIGTERM and is waited for (SIGKILL after ``timeout``)."""
+        if self.pid_files:
+            try:
+                left = self.queue()
+                if left:
+                    self.run(["scancel", *left], timeout=30)
+                    self.wait_empty(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         pids = [pid for pid in (_read_pid(p, timeout=0.5) for p in self.pid_files) if pid]
         if self.started_munged:
             pids.append(self.started_munged)
@@ -305,8 +328,13 @@ def start_cluster(root: Path, timeout: float = 60) -> SlurmCluster:
 if __name__ == "__main__":
     import tempfile
 
-    c = start_cluster(Path(tempfile.mkdtemp(prefix="slurm-")))
-    print(f"cluster up: export SLURM_CONF={c.conf}   (Ctrl-C to stop)", flush=True)
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # background shells ignore SIGINT
+    signal.signal(signal.SIGINT, _interrupt)
+    c = start_cluster(Path(tempfile.mkdtemp(prefix="lpar-slurm-")))
+    print(f"cluster up: export SLURM_CONF={c.conf}   (Ctrl-C or kill -TERM {os.getpid()} to stop)", flush=True)
     try:
         while True:
             time.sleep(3600)

@@ -1,6 +1,17 @@
-"""Layer 3: demo LightningModules. Architectures hold no parallelism; each declares its plan."""
+"""Layer 3: demo LightningModules. Architectures hold no parallelism; each declares its plan.
 
-from lightning_par.models.module import CNNModule, GPTModule, MLPModule, ParModule
+The LightningModules are imported lazily, so layer-1 code and tests that need only an
+architecture (``lightning_par.models.gpt``) do not pay for importing Lightning.
+"""
+
 from lightning_par.models.plan import ParallelPlan
 
 __all__ = ["CNNModule", "GPTModule", "MLPModule", "ParModule", "ParallelPlan"]
+
+
+def __getattr__(name: str):
+    if name in ("CNNModule", "GPTModule", "MLPModule", "ParModule"):
+        from lightning_par.models import module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'lightning_par.models' has no attribute {name!r}")

@@ -163,6 +163,7 @@ class GPT(nn.Module):
         blocks = tuple(f"blocks.{i}" for i in range(n))
         tp_plan = {
             "embed.tok": "embedding",  # vocabulary rows split over tp ranks
+            "embed.pos": "position",  # replicated table; under sequence parallelism each rank adds its slice
             "blocks.*.ln_1": "sequence_parallel",
             "blocks.*.attn.wq": "colwise",  # heads split: W = [W_1 ... W_p]
             "blocks.*.attn.wk": "colwise",

@@ -285,7 +285,9 @@ class TimedPipelineStage(PipelineStage):
         with self.timer.record(self.stage_index, "F", fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):  # type: ignore[override]
+    def backward_one_chunk(  # type: ignore[override]
+        self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False
+    ):
         with self.timer.record(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                               last_backward=last_backward)
@@ -423,7 +425,7 @@ def build_schedule(
         sched = cls(stages[0], n_microbatches=n_microbatches, loss_fn=timed_loss, scale_grads=True)
     log.info("pipeline: %s, pp=%d, stages %s of %d on rank %d, %d micro-batches", schedule, pp_size, indices,
              n_stages, pp_rank, n_microbatches)
-    return Pipeline(sched, schedule, list(modules), stages, timer, n_microbatches, n_stages, group)  # type: ignore[arg-type]
+    return Pipeline(sched, schedule, list(modules), stages, timer, n_microbatches, n_stages, group)
 
 
 def build_pipeline(

@@ -25,13 +25,13 @@ with ``parallelize_module`` on a 1-D tensor-parallel mesh. The math, for a pair 
   output is replicated, or under SP cut to this rank's sequence slice so it adds to the
   sequence-sharded token embeddings. Under SP every ``nn.Embedding`` that sits next to an
   ``embedding`` entry and is not named in the plan (the GPT's ``embed.pos``) gets this style
-  automatically; without SP such tables stay plain replicated parameters (their gradients are
-  identical on every rank because everything around them is replicated).
+  automatically.
 
-With SP every parameter of the model ends up a DTensor; without SP the LayerNorms and the
-position table stay plain tensors, identical on all tensor-parallel ranks (same seed).
-Parameters are taken from tensor-parallel rank 0 (``src_data_rank=0``), so ranks need not be
-initialized identically for the split and replicated DTensor parameters.
+Without SP the modules the plan leaves alone (LayerNorms, the position table) get their
+parameters replicated as DTensors (``replicate``; their inputs and outputs stay replicated local
+tensors, nothing is communicated in forward). Either way every parameter of a GPT ends up a
+DTensor, which torch's ``clip_grad_norm_`` needs. Parameters are taken from tensor-parallel rank 0
+(``src_data_rank=0``), so the ranks' initial values need not agree.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 log = logging.getLogger(__name__)
 
-STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "position")
+STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "position", "replicate")
 
 
 def check_tp_divisible(tp: int, divisible: dict[str, int]) -> None:
@@ -81,8 +81,9 @@ def match_modules(model: nn.Module, pattern: str) -> list[str]:
     return found
 
 
-class ReplicateSequenceSlice(ParallelStyle):
-    """Replicate a module's parameters as DTensors; hand back its output replicated, or (when
+class ReplicateParallel(ParallelStyle):
+    """Styles ``replicate``/``position``: replicate a module's parameters as DTensors (inputs are taken
+    as replicated); hand back its output replicated, or (when
     ``shard_dim`` is given) this rank's slice of it along ``shard_dim`` (negative dims count from the
     end). Gradients of the replicated parameters are all-reduced by DTensor."""
 
@@ -102,6 +103,8 @@ class ReplicateSequenceSlice(ParallelStyle):
 
     @staticmethod
     def _output(shard_dim: int | None, mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(out, DTensor):
+            return out
         if shard_dim is not None:
             out = out.redistribute(placements=[Shard(shard_dim % out.ndim)])
         return out.to_local()
@@ -135,8 +138,10 @@ def _style(name: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None:
                                use_local_output=not loss_parallel)
     if name == "sequence_parallel":
         return ReplicatedSequenceParallel() if sp else None
+    if name == "replicate":
+        return ReplicateParallel()
     if name == "position":
-        return ReplicateSequenceSlice(shard_dim=-2 if sp else None)  # (T, C) or (B, T, C): T is dim -2
+        return ReplicateParallel(shard_dim=-2 if sp else None)  # (T, C) or (B, T, C): T is dim -2
     raise ValueError(f"unknown tensor-parallel style {name!r}; expected one of {', '.join(STYLES)}")
 
 
@@ -149,6 +154,7 @@ def apply_tensor_parallel(
     loss_parallel: bool = False,
     divisible: dict[str, int] | None = None,
     strict: bool = True,
+    replicate_rest: bool = True,
 ) -> dict[str, str]:
     """Apply ``plan`` (path pattern -> style name, see the module docstring) to ``model`` in place.
 
@@ -160,6 +166,10 @@ def apply_tensor_parallel(
         divisible: sizes ``tp`` must divide (the model plan's ``tp_divisible``), checked first.
         strict: every pattern must match a module. Pipeline stages hold part of a model, so
             callers applying a whole-model plan to one stage pass ``strict=False``.
+        replicate_rest: without SP, turn the parameters the plan leaves plain (LayerNorms, position
+            table) into replicated DTensors (style ``replicate``: inputs and outputs stay replicated
+            local tensors, no communication), so every parameter is a DTensor: torch's
+            ``clip_grad_norm_`` and optimizers' foreach paths refuse a mix of Tensors and DTensors.
 
     Returns the applied plan: concrete module path -> style name (skipped entries left out).
     """
@@ -205,6 +215,18 @@ def apply_tensor_parallel(
 
     for path, style in styles.items():
         parallelize_module(model.get_submodule(path) if path else model, tp_mesh, style)
+
+    # modules still holding plain parameters: replicate leaf modules (exact when their inputs are
+    # replicated, which holds everywhere outside the colwise->rowwise pairs without SP)
+    plain = [(path, m) for path, m in model.named_modules()
+             if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+    for path, module in plain:
+        leaf = not any(True for c in module.children() for _ in c.parameters())
+        if replicate_rest and not sequence_parallel and leaf:
+            parallelize_module(module, tp_mesh, ReplicateParallel())
+            applied[path] = "replicate"
+        else:
+            log.warning("tensor parallel: %s keeps plain (non-DTensor) parameters", path or type(model).__name__)
     log.info("tensor parallel: tp=%d, %d modules (%s), sequence_parallel=%s, loss_parallel=%s",
              tp_mesh.size(), len(applied), ", ".join(sorted(set(applied.values()))), sequence_parallel,
              loss_parallel)
