@@ -29,10 +29,20 @@ def global_rank() -> int:
     return 0
 
 
+def root_error(exc: BaseException) -> BaseException:
+    """The error worth reporting: Hydra's ``InstantiationException`` ("Error in call to target ...")
+    is unwrapped to the exception the constructor raised."""
+    seen = {id(exc)}
+    while type(exc).__name__ == "InstantiationException" and exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
+
+
 def one_line(exc: BaseException, limit: int = 500) -> str:
-    """The exception's message on one line (the first non-empty line, else the class name)."""
-    text = str(exc).strip()
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "") or type(exc).__name__
+    """The exception's message on one line (its lines joined, at most ``limit`` characters; the class
+    name when there is no message)."""
+    line = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip()) or type(exc).__name__
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -64,6 +74,7 @@ def record_failure(exc: BaseException, output_dir: str | os.PathLike | None = No
     rank = global_rank()
     if rank != 0 and path.exists():
         return path
+    exc = root_error(exc)
     record = {"error": one_line(exc), "type": type(exc).__name__,
               "overrides": list(overrides if overrides is not None else job.get("overrides", [])), "rank": rank}
     try:

@@ -5,6 +5,15 @@ description of the mesh (``mesh_sizes`` for the run summary), data-parallel samp
 from the mesh's data-parallel axis, optional per-block activation checkpointing from the model's
 plan, and ``model_state_tensors`` -- the tensors this rank holds per category, which the memory
 callback counts. Strategies stay thin: they decide the mesh and call layer 1 (``parallel/``).
+
+``ShardedStrategy`` is the base of the strategies that shard model states without DDP's wrapper
+(zero2, zero3, zero3_offload, fsdp/hsdp). It derives from Lightning's ``ModelParallelStrategy``,
+Lightning's strategy for modules that parallelize themselves: it does not wrap the model, runs on
+CPU (gloo) as on GPU, starts the process group, restores checkpoints after setup (into the sharded
+model) and provides barrier/broadcast/reduce/all_gather. We replace its mesh (``ParallelDims``,
+built in ``setup_environment``), its ``setup`` (layer-1 techniques instead of the module's own
+``configure_model``), its launcher (multirun-safe) and its checkpoint format (strategy-neutral,
+``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +22,15 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_par.parallel.checkpointing import apply_activation_checkpointing
-from lightning_par.parallel.mesh import ParallelDims
+from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
+from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -50,9 +63,15 @@ class ParStrategyMixin:
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         """Raise ``ValueError`` (one line) if this strategy cannot run ``module`` on ``world_size`` ranks.
 
-        Called by run.py before any process starts; the default checks only the mesh.
+        Called by run.py before any process starts; the default checks the mesh and that
+        activation checkpointing has blocks to wrap.
         """
         self.dims_for(world_size).validate(world_size)
+        if self.activation_checkpointing:
+            plan = model_plan(module)
+            if plan is None or not plan.blocks:
+                raise ValueError(f"{type(self).__name__}: activation_checkpointing needs a model that declares its"
+                                 f" blocks (parallel_plan().blocks); {type(module).__name__} declares none")
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -99,3 +118,63 @@ def _optimizer_states(opt: Any) -> Iterator[dict]:
     inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
     source = inner if isinstance(inner, torch.optim.Optimizer) else opt
     yield from source.state.values()
+
+
+class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParallelStrategy):
+    """Base of the data-parallel strategies that shard model states without a DDP wrapper.
+
+    Subclasses decide the mesh (``dims_for``), shard the module (``parallelize``) and/or replace the
+    optimizer (``setup_optimizers``). Setup order: activation checkpointing, precision conversion,
+    move to the device, ``parallelize``, optimizers -- so sharding sees the final modules and dtypes.
+
+    Args:
+        activation_checkpointing: recompute each declared block's activations in backward.
+        process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+    """
+
+    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(process_group_backend=process_group_backend, **kwargs)
+        self.activation_checkpointing = activation_checkpointing
+
+    def dims_for(self, world_size: int) -> ParallelDims:
+        return ParallelDims(dp_shard=world_size)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = self._make_launcher()
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()  # device, global ranks, process group (Lightning's)
+        dims = self.dims_for(self.world_size)
+        dims.validate(self.world_size)
+        self._device_mesh = dims.build_mesh(self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh  # LightningModule.device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        rank, size = dp_coordinates(self._device_mesh, self.dims_for(self.world_size))
+        return {"num_replicas": size, "rank": rank}
+
+    def parallelize(self, module: nn.Module) -> None:
+        """Shard ``module`` in place on ``self.device_mesh`` (default: nothing)."""
+
+    def setup(self, trainer: Any) -> None:
+        self.accelerator.setup(trainer)
+        self._apply_activation_checkpointing(self.lightning_module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.parallelize(self.lightning_module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _replace_optimizer(self, index: int, new: torch.optim.Optimizer) -> None:
+        """Swap optimizer ``index`` for ``new`` (same param groups), re-pointing its LR schedulers."""
+        old = self.optimizers[index]
+        self.optimizers[index] = new
+        for config in self.lr_scheduler_configs:
+            if getattr(config.scheduler, "optimizer", None) is old:
+                config.scheduler.optimizer = new

@@ -1,0 +1,248 @@
+"""Sharded, strategy-neutral checkpoints through ``torch.distributed.checkpoint`` (DCP), and a
+training dataloader that resumes mid-epoch.
+
+One format for every strategy. A checkpoint is a directory (Lightning's ``ModelParallelStrategy``
+layout): DCP shard files plus ``.metadata``, holding ``state_dict`` (model state) and
+``optimizer_0``, ``optimizer_1``, ... (optimizer states), and ``meta.pt`` (everything else Lightning
+saves: loops, callbacks, LR schedulers, hyperparameters), written by global rank 0. Model and
+optimizer states use the canonical layout of ``torch.distributed.checkpoint.state_dict``: keyed by
+parameter FQN (``net.blocks.0.attn.wq.weight``; wrapper prefixes such as activation
+checkpointing's are removed), optimizer state ``{"state": {fqn: {"step", "exp_avg", ...}},
+"param_groups": [{..., "params": [fqn, ...]}]}``. Each rank writes what it holds:
+
+- ``single`` / ``ddp``: full tensors; DCP writes each replicated tensor once.
+- ``zero3`` / ``fsdp``: ``DTensor`` shards; DCP records every shard's offset in the global tensor.
+- ``zero1``: full model; each rank writes the optimizer state of the parameters it owns.
+- ``zero2``: full model; optimizer state converted from the flat shard to the canonical layout
+  (``Zero2Optimizer.full_state_dict``) -- the full state exists transiently on every rank.
+
+Loading asks DCP for the tensors this rank needs in the layout it needs (a DTensor shard, a full
+tensor, the owned parameters only), and DCP reads the matching pieces from whatever layout wrote
+them. So a checkpoint saved by zero3 on 4 ranks resumes under ddp on 2, and so on.
+
+Loop state: Lightning restores global step and epoch itself, and resumes a dataloader mid-epoch
+only if the loader is *stateful*. ``ResumableLoader`` makes ours so: it records how many samples of
+the epoch's (data-parallel-size independent) order were consumed -- counted over the global batch,
+so the position survives a change of world size -- and skips them when the epoch resumes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+# wrapper prefixes that module FQNs lose in the canonical layout (activation checkpointing, torch.compile, FSDP1)
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+MODEL_KEY = "state_dict"
+
+
+def canonical_fqn(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping) -> None:
+    """Create the optimizer's lazily-built state (one step with zero gradients and lr 0), so a
+    checkpoint has tensors to load into. ``state``: where the optimizer really keeps its state
+    (for ZeRO-1 the local optimizer's). Collective for sharded optimizers: every rank calls it.
+    (torch's ``_init_optim_state`` does the same, but reads ``optimizer.state`` only.)"""
+    if state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+class ResumableLoader:
+    """A training dataloader Lightning can checkpoint (``state_dict``/``load_state_dict``).
+
+    The position is the number of samples consumed in the current epoch over all data-parallel
+    ranks; on resume the first ``position / (micro_batch * dp_size)`` micro-batches of the epoch are
+    skipped (read and dropped: the order is regenerated from the sampler's seed and epoch, which
+    Lightning sets before the first batch is drawn). Every other attribute is the loader's.
+    """
+
+    def __init__(self, loader: Any, dp_size: int) -> None:
+        self.loader = loader
+        self.dp_size = dp_size
+        self._consumed = 0  # micro-batches of this epoch handed out (including skipped ones)
+        self._skip = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
+        # a generator: nothing happens until the first batch is requested, after Lightning's set_epoch
+        skip, self._skip = self._skip, 0
+        self._consumed = 0
+        it = iter(self.loader)
+        for _ in range(skip):
+            next(it)
+            self._consumed += 1
+        for batch in it:
+            self._consumed += 1
+            yield batch
+
+    def _global_micro_batch(self) -> int:
+        return int(self.loader.batch_size) * self.dp_size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples_consumed": self._consumed * self._global_micro_batch()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        samples = int(state.get("samples_consumed", 0))
+        step = self._global_micro_batch()
+        if samples % step:
+            raise ValueError(f"cannot resume mid-epoch: {samples} samples consumed is not a multiple of the global "
+                             f"micro-batch {step}; resume with a global micro-batch that divides it")
+        skip = samples // step
+        self._skip = skip if skip < len(self.loader) else 0  # a finished epoch: the next one starts fresh
+
+
+class DistributedCheckpointMixin:
+    """Strategy mixin: save and load checkpoints as sharded DCP directories in the canonical layout.
+
+    Model and optimizer states are loaded by ``load_checkpoint`` itself, after the strategy's setup
+    (the model is sharded and the optimizers exist), so Lightning's own restore of them is off.
+    Strategies whose optimizer keeps its state in another layout override the three
+    ``*optimizer*`` hooks below (ZeRO-1 and ZeRO-2 do).
+    """
+
+    # ---------------------------------------------------------------- Lightning's interface
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self.checkpoint_optimizer_state(_unwrap(optimizer))
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done in load_checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero and path.exists():  # a stale file or a checkpoint written by more ranks
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.barrier()
+        states = {MODEL_KEY: checkpoint.pop("state_dict")}
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            states[f"optimizer_{i}"] = opt_state
+        dcp.save(states, checkpoint_id=path)
+        if self.is_global_zero:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not is_sharded_checkpoint(path) or not (path / _METADATA_FILENAME).is_file():
+            raise FileNotFoundError(f"{path} is not a lightning_par checkpoint (a directory with DCP shards, "
+                                    f".metadata and {_METADATA_FILENAME})")
+        saved = {k.split(".", 1)[0] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+        module = self.lightning_module
+        optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_0" in saved else []
+        templates: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
+        for i, opt in enumerate(optimizers):
+            templates[f"optimizer_{i}"] = self.optimizer_state_template(opt)
+        dcp.load(templates, checkpoint_id=path)
+        set_model_state_dict(module, templates[MODEL_KEY],
+                             options=StateDictOptions(strict=getattr(module, "strict_loading", True)))
+        for i, opt in enumerate(optimizers):
+            self.load_optimizer_state(opt, templates[f"optimizer_{i}"])
+        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu",
+                          weights_only=False if weights_only is None else weights_only)
+        self.barrier()
+        return meta
+
+    # ------------------------------------------------- hooks for non-canonical optimizers
+    def checkpoint_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of the optimizer state in the canonical layout (collective)."""
+        return get_optimizer_state_dict(self.lightning_module, optimizer)
+
+    def optimizer_state_template(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Tensors, in the canonical layout, that DCP loads this rank's optimizer state into."""
+        return get_optimizer_state_dict(self.lightning_module, optimizer)  # creates the state if absent
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.lightning_module, optimizer, state)
+
+    # ------------------------------------------------------------------ loop state
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or not trainer.training or not hasattr(dataloader, "batch_size"):
+            return dataloader
+        if getattr(dataloader, "batch_size", None) is None or not hasattr(dataloader, "__len__"):
+            return dataloader
+        dp_size = int((getattr(self, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1))
+        return ResumableLoader(dataloader, dp_size)
+
+
+def module_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
+    """Parameter -> canonical FQN."""
+    return {p: canonical_fqn(n) for n, p in module.named_parameters()}
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+__all__ = ["DistributedCheckpointMixin", "ResumableLoader", "canonical_fqn", "initialize_optimizer_state",
+           "is_sharded_checkpoint", "module_fqns"]
