@@ -86,15 +86,3 @@ def record_failure(exc: BaseException, output_dir: str | os.PathLike | None = No
         return None
     return path
 
-
-def read_error(path: str | os.PathLike) -> dict[str, Any]:
-    """An error.json, tolerant of hand-written or truncated files."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        return {"error": f"unreadable {ERROR_FILE}: {e}", "type": None, "overrides": []}
-    if not isinstance(data, dict):
-        return {"error": str(data), "type": None, "overrides": []}
-    return {"error": str(data.get("error", "")), "type": data.get("type"),
-            "overrides": list(data.get("overrides") or []), **{k: v for k, v in data.items()
-                                                                if k not in ("error", "type", "overrides")}}

@@ -342,3 +342,4 @@ if __name__ == "__main__":
         pass
     finally:
         c.stop()
+        shutil.rmtree(c.root, ignore_errors=True)

@@ -49,6 +49,7 @@ class RunSummary(L.Callback):
         self.model_name = model_name
         self.extra = dict(extra or {})
         self._local: list[float] = []
+        self._restored: list[float] = []  # global losses of the steps before a resume (from the checkpoint)
         self._current = 0.0
         self._step_seen = 0
         self.n_params = 0
@@ -60,6 +61,22 @@ class RunSummary(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._local, self._current, self._step_seen = [], 0.0, trainer.global_step
+        self._restored = self._restored[: trainer.global_step]
+
+    def _global_losses(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[float]:
+        """Losses of every step so far, averaged over ranks (a collective: every rank must call it)."""
+        local = torch.tensor(self._local, dtype=torch.float64, device=pl_module.device)
+        if trainer.world_size > 1:
+            local = trainer.strategy.reduce(local, reduce_op="mean")
+        return self._restored + [float(x) for x in local.cpu()]
+
+    # The losses travel with checkpoints, so a resumed run (e.g. after torchrun restarts a failed
+    # rank) still reports the loss of every step. Lightning dumps checkpoints on every rank.
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint["lightning_par_losses"] = self._global_losses(trainer, pl_module)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._restored = list(checkpoint.get("lightning_par_losses", []))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -72,9 +89,7 @@ class RunSummary(L.Callback):
             self._current = 0.0
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        local = torch.tensor(self._local, dtype=torch.float64, device=pl_module.device)
-        losses = trainer.strategy.reduce(local, reduce_op="mean") if trainer.world_size > 1 else local
-        losses = [float(x) for x in losses.cpu()]
+        losses = self._global_losses(trainer, pl_module)
         parts: dict[str, Any] = {}
         for cb in trainer.callbacks:
             if cb is not self and hasattr(cb, "summary") and callable(cb.summary):

@@ -98,6 +98,14 @@ class ParStrategyMixin:
                              " blocks (parallel_plan().blocks); this model declares none")
         apply_activation_checkpointing(module, blocks=plan.blocks)
 
+    def _replace_optimizer(self, index: int, new: torch.optim.Optimizer) -> None:
+        """Swap optimizer ``index`` for ``new`` (same param groups), re-pointing its LR schedulers."""
+        old = self.optimizers[index]
+        self.optimizers[index] = new
+        for config in self.lr_scheduler_configs:
+            if getattr(config.scheduler, "optimizer", None) is old:
+                config.scheduler.optimizer = new
+
     # ------------------------------------------------------------------- measurement
     def model_state_tensors(self) -> dict[str, Iterator[torch.Tensor]]:
         """Tensors this rank holds, by category (local shards only)."""
@@ -170,11 +178,3 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _replace_optimizer(self, index: int, new: torch.optim.Optimizer) -> None:
-        """Swap optimizer ``index`` for ``new`` (same param groups), re-pointing its LR schedulers."""
-        old = self.optimizers[index]
-        self.optimizers[index] = new
-        for config in self.lr_scheduler_configs:
-            if getattr(config.scheduler, "optimizer", None) is old:
-                config.scheduler.optimizer = new

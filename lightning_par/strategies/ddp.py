@@ -3,7 +3,8 @@
 Every rank holds the full model, optimizer and gradients; gradients are averaged by bucketed
 all-reduce overlapped with backward. This is Lightning's ``DDPStrategy`` with (a) the
 multirun-safe launcher, (b) SyncBatchNorm as a strategy option (so a config file can turn it on),
-and (c) optional per-block activation checkpointing from the model's plan.
+(c) optional per-block activation checkpointing from the model's plan, and (d) sharded,
+strategy-neutral checkpoints (``checkpoint.py``), so a DDP checkpoint resumes under any strategy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing_extensions import override
 
 from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_par.strategies.base import ParStrategyMixin
+from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
 
 class GlobalSyncBatchNorm(LayerSync):
@@ -29,7 +31,7 @@ class GlobalSyncBatchNorm(LayerSync):
         return revert_sync_batchnorm(model)
 
 
-class DDPStrategy(ParStrategyMixin, _LightningDDP):
+class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
     """Distributed data parallel.
 
     Args:

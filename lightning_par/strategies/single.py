@@ -1,4 +1,7 @@
-"""``single``: one device, no communication -- the reference every other strategy must match."""
+"""``single``: one device, no communication -- the reference every other strategy must match.
+
+Checkpoints use the same sharded, strategy-neutral format as every other strategy (``checkpoint.py``).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ from typing_extensions import override
 
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.strategies.base import ParStrategyMixin
+from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
 
-class SingleDeviceStrategy(ParStrategyMixin, _LightningSingleDevice):
+class SingleDeviceStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningSingleDevice):
     """Train on one device: the first GPU when there is one, else the CPU.
 
     Args:

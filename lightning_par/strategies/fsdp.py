@@ -1,0 +1,120 @@
+"""``fsdp`` (and the ``hsdp`` preset): fully sharded data parallel with FSDP2's ``fully_shard``.
+
+Every parameter, gradient and optimizer state is a 1/N shard (a ``DTensor``); each *unit* gathers
+its full parameters just before its forward (and again before its backward) and frees them after;
+gradients are reduce-scattered back to shards. The options are FSDP's knobs: which modules are
+units, whether to free parameters after forward (ZeRO-3) or keep them until backward, how far
+ahead to prefetch, mixed precision of the gathered parameters and of the gradient reduction, CPU
+offload, and HSDP: ``replicate`` > 1 builds a 2-D mesh (dp_replicate, dp_shard), sharding inside
+each group of ``world / replicate`` ranks and all-reducing gradients across the groups.
+
+``zero3`` and ``zero3_offload`` (``strategies/zero.py``) are this strategy with fixed settings.
+The sharding itself is layer 1 (``parallel/fsdp.py``); this file maps options to it and does the
+Lightning plumbing (inherited from ``ShardedStrategy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
+from lightning_par.parallel.mesh import ParallelDims
+from lightning_par.strategies.base import ShardedStrategy, model_plan
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+# LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
+# call submodules directly instead of ``self(...)``
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if str(value) not in _DTYPES:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(_DTYPES)} or null")
+    return _DTYPES[str(value)]
+
+
+class FSDPStrategy(ShardedStrategy):
+    """Fully sharded data parallel (FSDP2), optionally hybrid (HSDP).
+
+    Args:
+        units: the modules sharded as units -- ``"blocks"`` (the model plan's repeated blocks), a
+            class name (every submodule of that class), an int (minimum parameters per unit, size
+            based), or a list of module paths. The root module always takes what no unit claimed.
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3); False keeps them
+            until backward (less communication, more memory).
+        prefetch: units whose all-gather each unit issues ahead, in forward and backward.
+        param_dtype / reduce_dtype: FSDP mixed precision (``bf16``, ``fp16``, ``fp32`` or null):
+            dtype of the gathered parameters used for compute, and of the gradient reduction.
+            Shards, gradients and optimizer state stay fp32.
+        cpu_offload: keep parameter shards, gradients and optimizer state in host memory; the
+            optimizer step runs on the host.
+        replicate: HSDP replica groups (1: plain FSDP); must divide the world size.
+        activation_checkpointing: recompute each declared block's activations in backward.
+        process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+    """
+
+    strategy_name = "lp_fsdp"
+
+    def __init__(self, units: str | int | Sequence[str] = "blocks", reshard_after_forward: bool = True,
+                 prefetch: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = None,
+                 cpu_offload: bool = False, replicate: int = 1, activation_checkpointing: bool = False,
+                 process_group_backend: str | None = None, **kwargs: Any) -> None:
+        super().__init__(activation_checkpointing=activation_checkpointing,
+                         process_group_backend=process_group_backend, **kwargs)
+        self.units = units if isinstance(units, (str, int)) else list(units)
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.cpu_offload = cpu_offload
+        self.replicate = replicate
+
+    @property
+    def offloads(self) -> bool:  # read by the memory callback
+        return bool(self.cpu_offload)
+
+    # ----------------------------------------------------------------------------- mesh
+    def dims_for(self, world_size: int) -> ParallelDims:
+        r = self.replicate
+        if not isinstance(r, int) or r < 1 or world_size % r:
+            raise ValueError(f"{type(self).__name__}: replicate={r} must be a positive divisor of the world size "
+                             f"{world_size} (HSDP: world = replicate x shard)")
+        return ParallelDims(dp_replicate=r, dp_shard=world_size // r) if r > 1 else ParallelDims(dp_shard=world_size)
+
+    def validate_setup(self, world_size: int, module: nn.Module) -> None:
+        super().validate_setup(world_size, module)
+        parse_dtype(self.param_dtype, "param_dtype")
+        parse_dtype(self.reduce_dtype, "reduce_dtype")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"{type(self).__name__}: prefetch must be an integer >= 0, got {self.prefetch!r}")
+        self.unit_paths(module)
+
+    def unit_paths(self, module: nn.Module) -> list[str]:
+        """Module paths of the FSDP units for ``module`` (raises ValueError naming the model's blocks)."""
+        if self.units == "blocks":
+            plan = model_plan(module)
+            if plan is None or not plan.blocks:
+                raise ValueError(f"{type(self).__name__}: units='blocks' needs a model that declares its blocks "
+                                 f"(parallel_plan().blocks); {type(module).__name__} declares none -- set "
+                                 "strategy.units to a class name or a minimum parameter count")
+            return list(plan.blocks)
+        return resolve_units(module, self.units)
+
+    # ------------------------------------------------------------------------ sharding
+    def parallelize(self, module: nn.Module) -> None:
+        apply_fsdp(module, mesh=self.device_mesh, units=self.unit_paths(module),
+                   reshard_after_forward=self.reshard_after_forward,
+                   param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
+                   reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"),
+                   cpu_offload=self.cpu_offload, prefetch=self.prefetch)
+        for name in _STEP_METHODS:
+            if callable(getattr(module, name, None)):
+                register_fsdp_forward_method(module, name)

@@ -1,0 +1,187 @@
+"""ZeRO stages 1, 2 and 3 (Rajbhandari et al. 2020) as Lightning strategies.
+
+With Ψ parameters on N data-parallel ranks, each stage shards one more kind of model state:
+
+- ``zero1``: optimizer state (P_os). DDP averages full gradients; torch's ``ZeroRedundancyOptimizer``
+  gives each rank whole parameters to own (greedy by size), it updates those and broadcasts them.
+- ``zero2``: also gradients (P_os+g). No DDP: ``Zero2Optimizer`` (layer 1) reduce-scatters the local
+  gradients into one flat 1/N shard per rank, steps its shard and all-gathers the parameters.
+- ``zero3``: also parameters (P_os+g+p) -- FSDP with the model plan's blocks as units, parameters
+  freed after forward (``FSDPStrategy`` with those settings fixed).
+- ``zero3_offload``: zero3 with parameters, gradients and optimizer state in host memory and the
+  optimizer step on the host (ZeRO-Offload / ZeRO-Infinity's CPU tier).
+
+Offload exists only where it is real: zero1 and zero2 take no offload option.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from lightning_par.parallel.mesh import ParallelDims
+from lightning_par.parallel.zero import Zero2Optimizer, make_zero1_optimizer
+from lightning_par.strategies.base import ShardedStrategy
+from lightning_par.strategies.checkpoint import canonical_fqn, hyperparameters, initialize_optimizer_state, module_fqns
+from lightning_par.strategies.ddp import DDPStrategy
+from lightning_par.strategies.fsdp import FSDPStrategy
+
+
+class Zero1Strategy(DDPStrategy):
+    """ZeRO stage 1: DDP gradients + optimizer state sharded by ``ZeroRedundancyOptimizer``.
+
+    Takes DDP's arguments (gradient buckets, static graph, SyncBatchNorm, activation checkpointing).
+    Clipping needs nothing special: DDP has already averaged the gradients when Lightning clips.
+    """
+
+    strategy_name = "lp_zero1"
+
+    def dims_for(self, world_size: int) -> ParallelDims:
+        return ParallelDims(dp_shard=world_size)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        for i, opt in enumerate(list(self.optimizers)):
+            self._replace_optimizer(i, make_zero1_optimizer(opt))
+
+    # checkpoints: each rank writes / reads the canonical state of the parameters it owns
+    def checkpoint_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert isinstance(optimizer, ZeroRedundancyOptimizer)
+        fqns = module_fqns(self.lightning_module)
+        state = {fqns[p]: dict(s) for p, s in optimizer.optim.state.items()}
+        groups = [{**hyperparameters(g), "params": [fqns[p] for p in g["params"]]} for g in optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def optimizer_state_template(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert isinstance(optimizer, ZeroRedundancyOptimizer)
+        initialize_optimizer_state(optimizer, optimizer.optim.state)
+        return self.checkpoint_optimizer_state(optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        assert isinstance(optimizer, ZeroRedundancyOptimizer)
+        fqns = module_fqns(self.lightning_module)
+        for p in optimizer.optim.state:
+            optimizer.optim.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v)
+                                        for k, v in state["state"][fqns[p]].items()}
+        for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+            group.update(hyperparameters(saved))  # synced to the local optimizer at every step
+
+
+class Zero2Strategy(ShardedStrategy):
+    """ZeRO stage 2: optimizer state and gradients sharded (``Zero2Optimizer``), no DDP wrapper.
+
+    ``trainer.gradient_clip_val`` clips by the global norm of the *reduced* gradient inside the
+    optimizer step; Lightning's own clipping (before the reduction, on local gradients) is skipped.
+    Only norm clipping exists.
+
+    Args:
+        activation_checkpointing: recompute each declared block's activations in backward.
+        process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+    """
+
+    strategy_name = "lp_zero2"
+
+    def validate_setup(self, world_size: int, module: nn.Module) -> None:
+        super().validate_setup(world_size, module)
+        kinds = {(p.dtype, p.device.type) for p in module.parameters() if p.requires_grad}
+        if len(kinds) > 1:
+            raise ValueError(f"zero2 flattens all parameters into one buffer, but {type(module).__name__} mixes "
+                             f"{sorted(str(d) for d, _ in kinds)}; use strategy=zero3 or fsdp")
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        clip = trainer.gradient_clip_val
+        if clip and trainer.gradient_clip_algorithm != "norm":
+            raise ValueError("zero2 clips by the global norm only; use trainer.gradient_clip_algorithm=norm")
+        group = self.device_mesh.get_group("dp_shard")
+        for i, opt in enumerate(list(self.optimizers)):
+            self._replace_optimizer(i, Zero2Optimizer(opt, self.lightning_module, process_group=group,
+                                                      max_grad_norm=float(clip) if clip else None))
+        _skip_lightning_clipping(self.precision_plugin)
+
+    def model_state_tensors(self) -> dict[str, Any]:
+        """Full parameters (the flat buffer), the reduced gradient shard (the full local ``.grad``s
+        alive between backward and step are transient), the sharded optimizer state."""
+        zeros = [o for o in self.optimizers if isinstance(o, Zero2Optimizer)]
+        params = [z.flat for z in zeros]
+        grads = [z.grad_shard for z in zeros]
+        states = [t for z in zeros for s in z.inner.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}
+
+    # checkpoints: the flat shard converted to / from the canonical per-parameter layout
+    def checkpoint_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert isinstance(optimizer, Zero2Optimizer)
+        return _rename(optimizer.full_state_dict(), canonical_fqn)
+
+    def optimizer_state_template(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert isinstance(optimizer, Zero2Optimizer)
+        initialize_optimizer_state(optimizer, optimizer.inner.state)
+        return self.checkpoint_optimizer_state(optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        assert isinstance(optimizer, Zero2Optimizer)
+        raw = {canonical_fqn(n): n for n, _ in self.lightning_module.named_parameters()}
+        optimizer.load_full_state_dict(_rename(state, raw.__getitem__))
+
+
+def _rename(state: dict[str, Any], fn: Any) -> dict[str, Any]:
+    return {"state": {fn(k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [fn(p) for p in g["params"]]} for g in state["param_groups"]]}
+
+
+def _skip_lightning_clipping(precision_plugin: Any) -> None:
+    """Make the precision plugin's gradient clipping a no-op for ``Zero2Optimizer`` (which clips
+    after its reduce-scatter); other optimizers are clipped as before."""
+    original = precision_plugin.clip_gradients
+    if getattr(original, "_lp_zero2", False):
+        return
+
+    def clip_gradients(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(inner, Zero2Optimizer):
+            return None
+        return original(optimizer, clip_val, gradient_clip_algorithm)
+
+    clip_gradients._lp_zero2 = True  # type: ignore[attr-defined]
+    precision_plugin.clip_gradients = clip_gradients
+
+
+class Zero3Strategy(FSDPStrategy):
+    """ZeRO stage 3: FSDP with the model plan's blocks as units, parameters freed after forward,
+    one unit of prefetch, fp32 (use Lightning's ``trainer.precision`` for mixed precision).
+
+    Args:
+        activation_checkpointing: recompute each declared block's activations in backward.
+        process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+    """
+
+    strategy_name = "lp_zero3"
+
+    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=False,
+                         activation_checkpointing=activation_checkpointing,
+                         process_group_backend=process_group_backend, **kwargs)
+
+
+class Zero3OffloadStrategy(FSDPStrategy):
+    """ZeRO stage 3 with CPU offload: parameter shards, gradients and optimizer state live in host
+    memory; each unit's parameters are copied to the device for its forward/backward, gradients are
+    copied back, and the optimizer step runs on the host (FSDP2's ``CPUOffloadPolicy``).
+
+    Args:
+        activation_checkpointing: recompute each declared block's activations in backward.
+        process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+    """
+
+    strategy_name = "lp_zero3_offload"
+
+    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=True,
+                         activation_checkpointing=activation_checkpointing,
+                         process_group_backend=process_group_backend, **kwargs)
