@@ -4,12 +4,14 @@
     python run.py strategy=ddp trainer.devices=2         # 2 processes (gloo on CPU, NCCL on GPU)
     python run.py -m strategy=single,ddp trainer.devices=2   # sweep: one output dir per job
     python run.py mode=estimate model=gpt2_xl trainer.devices=64   # memory table, no training
+    torchrun --nproc-per-node=2 --max-restarts=3 run.py strategy=ddp callbacks=checkpoint ckpt_path=auto
 
 Every run writes summary.json (see README) into its Hydra output directory.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -69,10 +71,25 @@ def main(cfg: DictConfig) -> float | None:
         raise
 
 
+def torchrun_overrides(argv: list[str], env: dict[str, str]) -> list[str]:
+    """Under torchrun every rank runs this script: give them one shared run directory (named by
+    torchrun's run id, stable across restarts, so a restarted run finds its checkpoints), and let
+    only rank 0 write Hydra's files."""
+    if "TORCHELASTIC_RUN_ID" not in env or any(a.startswith("-m") or a == "--multirun" for a in argv):
+        return []
+    extra = []
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        extra.append(f"hydra.run.dir=outputs/torchrun/{env['TORCHELASTIC_RUN_ID']}")
+    if env.get("RANK", "0") != "0":
+        extra.append("hydra.output_subdir=null")
+    return extra
+
+
 if __name__ == "__main__":
     try:
         check_group_choices(sys.argv[1:])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    sys.argv += torchrun_overrides(sys.argv[1:], dict(os.environ))
     main()

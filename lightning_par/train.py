@@ -130,6 +130,8 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     parts = build(cfg)
     strategy = parts["strategy"]
     world = validate(cfg, strategy, parts["model"], parts["datamodule"])
+    if getattr(strategy, "single_process", False) and launched_externally() and _env_rank() > 0:
+        return None  # srun/torchrun started several tasks for a one-process strategy: rank 0 trains alone
     trainer_kwargs: dict[str, Any] = {}
     if world == 1:
         trainer_kwargs.update(devices=1, num_nodes=1)
@@ -141,9 +143,40 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     with _restored_process_env():
         trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=parts["callbacks"], logger=parts["logger"],
                               **trainer_kwargs)
-        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+        ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out_dir)
+        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=ckpt_path)
         summary = next((cb.summary for cb in trainer.callbacks if type(cb).__name__ == "RunSummary"), None)
     return summary if trainer.is_global_zero else None
+
+
+def _env_rank() -> int:
+    for key in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The checkpoint of the highest step in ``directory`` that was written completely (a DCP
+    checkpoint directory has its ``.metadata`` written last; a file checkpoint is complete once it exists)."""
+    if not os.path.isdir(directory):
+        return None
+    found = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        digits = "".join(ch for ch in name if ch.isdigit())
+        complete = os.path.isfile(os.path.join(path, ".metadata")) if os.path.isdir(path) else name.endswith(".ckpt")
+        if digits and complete:
+            found.append((int(digits), path))
+    return max(found)[1] if found else None
+
+
+def resolve_ckpt_path(ckpt_path: str | None, out_dir: str) -> str | None:
+    """``auto``: resume from this run directory's newest complete checkpoint, if any (how a run
+    restarted by torchrun picks up where it stopped); else the path as given."""
+    if ckpt_path != "auto":
+        return ckpt_path
+    return latest_checkpoint(os.path.join(out_dir, "checkpoints"))
 
 
 def _write_child_config(cfg: DictConfig, out_dir: str) -> str:

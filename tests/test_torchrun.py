@@ -1,0 +1,48 @@
+"""torchrun: run.py works under it, and with --max-restarts a killed rank is restarted and the run
+resumes from its last checkpoint with the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_par.train import latest_checkpoint
+from tests.helpers import QUICK, ROOT, assert_losses_match, train_summary
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(args: list[str], run_dir, restarts: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--max-restarts={restarts}", "--monitor-interval=0.5", str(ROOT / "run.py"), *args,
+           f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_killed_rank_is_restarted_and_resumes_with_same_losses(tmp_path):
+    ref = train_summary(QUICK + ["strategy=ddp", "trainer.devices=2"], tmp_path / "ref")
+    run_dir = tmp_path / "elastic"
+    proc = torchrun(QUICK + ["strategy=ddp", "trainer.devices=2", "callbacks=checkpoint",
+                             "callbacks.checkpoint.every_n_train_steps=4", "ckpt_path=auto",
+                             "+callbacks.fault._target_=tests.fault.KillRankAt", "+callbacks.fault.step=7",
+                             "+callbacks.fault.rank=1"], run_dir, restarts=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert "SIGKILL" in log, log[-3000:]  # torchrun saw the rank die ...
+    assert "step000004.ckpt" in log  # ... and the restarted ranks resumed from the step-4 checkpoint
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 12
+    assert_losses_match(summary, ref)  # steps 1-4 restored from the checkpoint, 5-12 recomputed
+    assert latest_checkpoint(str(run_dir / "checkpoints")).endswith("step000012.ckpt")
+
+
+def test_torchrun_without_faults(tmp_path):
+    proc = torchrun(QUICK + ["strategy=ddp", "trainer.devices=2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 12
