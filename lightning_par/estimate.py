@@ -211,6 +211,75 @@ def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
     return cfg.n_params, Shape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, seq_len or cfg.block_size)
 
 
+_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+
+def run_estimate(cfg: Any) -> str:
+    """``python run.py mode=estimate ...``: print the all-strategies table for the run's config.
+
+    Reads the model config (a GPT preset plus any architecture overrides; other models are built
+    on the meta device and counted, without an activation estimate), N = trainer.devices x
+    trainer.num_nodes, trainer.precision (or ``paper-mixed``), the model's optimizer, the micro-batch
+    data.global_batch_size / (N x accumulate_grad_batches) and data.seq_len, and the strategy's
+    activation_checkpointing. Optional keys: ``+estimate.device_memory=80`` (adds a fits column),
+    ``+estimate.unit=GB``, ``+estimate.params=7.5e9`` (a bare parameter count instead of the model).
+    Raises ``ConfigError`` (one line) for unknown names.
+    """
+    from lightning_par import ConfigError
+
+    opts = cfg.get("estimate") or {}
+    try:
+        devices = cfg.trainer.get("devices", 1)
+        devices = 1 if devices in ("auto", -1, "-1") else (len(devices) if hasattr(devices, "__len__")
+                                                           and not isinstance(devices, str) else int(devices))
+        n = devices * int(cfg.trainer.get("num_nodes", 1))
+        precision = str(cfg.trainer.get("precision", "32-true"))
+        precision = _PRECISION_ALIASES.get(precision, precision)
+        optimizer = str(cfg.model.get("optimizer", "adamw"))
+        gbs = int(cfg.data.get("global_batch_size", n))
+        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+        micro, note = gbs // (n * accumulate), ""
+        if micro < 1 or gbs % (n * accumulate):
+            micro = max(1, micro)
+            note = (f"note: data.global_batch_size={gbs} does not split evenly over {n} ranks x {accumulate} "
+                    f"accumulation steps; activations are for a micro-batch of {micro}\n")
+        checkpointing = bool((cfg.get("strategy") or {}).get("activation_checkpointing", False))
+        model, shape = _model_from_config(cfg, opts.get("params"))
+        note = note if shape is not None else ""  # no activation estimate: the micro-batch does not matter
+        table = estimate_table(model, devices=n, precision=precision, optimizer=optimizer, shape=shape,
+                               micro_batch_size=micro, checkpointing=checkpointing,
+                               device_memory=opts.get("device_memory"), unit=str(opts.get("unit", "GiB")))
+    except (ValueError, KeyError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+    print(note + table)
+    return note + table
+
+
+def _model_from_config(cfg: Any, params: float | None) -> tuple[Any, Shape | None]:
+    """(Ψ or a GPTConfig-like model, shape) for the run's model config."""
+    if params is not None:
+        return int(float(params)), None
+    model_cfg = cfg.model
+    seq_len = cfg.data.get("seq_len") if cfg.get("data") else None
+    if "preset" in model_cfg or str(model_cfg.get("_target_", "")).endswith("GPTModule"):
+        from lightning_par.models.gpt import PRESETS, GPTConfig
+
+        preset = model_cfg.get("preset")
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        fields = dict(PRESETS[preset]) if preset else {}
+        fields.update({k: v for k, v in model_cfg.items() if k in GPTConfig.__dataclass_fields__})
+        gpt = GPTConfig(**fields)
+        seq = int(model_cfg.get("seq_len") or seq_len or gpt.block_size)
+        return gpt.n_params, Shape(gpt.n_layer, gpt.n_embd, gpt.n_head, gpt.vocab_size, seq)
+    import torch
+    from hydra.utils import instantiate
+
+    with torch.device("meta"):
+        module = instantiate(model_cfg)
+    return sum(p.numel() for p in module.parameters()), None
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m lightning_par.estimate", description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)

@@ -25,6 +25,7 @@ from lightning.fabric.connector import _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_par import ConfigError
+from lightning_par.parallel.elastic import init_elastic_process_group
 
 PRECISIONS = tuple(p for p in typing.get_args(_PRECISION_INPUT_STR) if not p.startswith("transformer"))
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK",
@@ -141,6 +142,8 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
         strategy.child_command = [sys.executable, "-m", "lightning_par.child", config_path]
         strategy.child_cwd = os.getcwd()
     with _restored_process_env():
+        if world > 1:  # under torchrun: a fresh store namespace per restart (see parallel/elastic.py)
+            init_elastic_process_group("nccl" if _accelerator(cfg) == "cuda" else "gloo")
         trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=parts["callbacks"], logger=parts["logger"],
                               **trainer_kwargs)
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out_dir)

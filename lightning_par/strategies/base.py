@@ -19,9 +19,11 @@ built in ``setup_environment``), its ``setup`` (layer-1 techniques instead of th
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -138,11 +140,12 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
     Args:
         activation_checkpointing: recompute each declared block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+        timeout: collective timeout (Lightning's default: 30 minutes).
     """
 
     def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(process_group_backend=process_group_backend, **kwargs)
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.activation_checkpointing = activation_checkpointing
 
     def dims_for(self, world_size: int) -> ParallelDims:

@@ -175,15 +175,17 @@ class DistributedCheckpointMixin:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero and path.exists():  # a stale file or a checkpoint written by more ranks
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        self.barrier()
         states = {MODEL_KEY: checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             states[f"optimizer_{i}"] = opt_state
-        dcp.save(states, checkpoint_id=path)
         if self.is_global_zero:
+            if path.exists():  # a stale file, or a checkpoint written by more ranks
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            path.mkdir(parents=True)
             torch.save(checkpoint, path / _METADATA_FILENAME)
+        self.barrier()
+        # DCP writes ``.metadata`` last, after every rank's shards: its presence marks a complete checkpoint
+        dcp.save(states, checkpoint_id=path)
         self.barrier()
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -9,11 +9,13 @@ strategy-neutral checkpoints (``checkpoint.py``), so a DDP checkpoint resumes un
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDP
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
@@ -68,6 +70,16 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
     @_layer_sync.setter
     def _layer_sync(self, value: LayerSync | None) -> None:
         self.__dict__["_trainer_layer_sync"] = value
+
+    def validate_setup(self, world_size: int, module: Module) -> None:
+        super().validate_setup(world_size, module)
+        # extra keyword arguments go to DistributedDataParallel at setup; catch typos before launching
+        unknown = sorted(set(self._ddp_kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
+        if unknown:
+            hint = ("; CPU offload exists only in strategy=zero3_offload and strategy=fsdp (cpu_offload: true)"
+                    if any("offload" in k for k in unknown) else "")
+            raise ValueError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)} "
+                             f"(not DistributedDataParallel arguments){hint}")
 
     @override
     def _configure_launcher(self) -> None:

@@ -16,9 +16,10 @@ Lightning plumbing (inherited from ``ShardedStrategy``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from datetime import timedelta
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -59,6 +60,7 @@ class FSDPStrategy(ShardedStrategy):
         replicate: HSDP replica groups (1: plain FSDP); must divide the world size.
         activation_checkpointing: recompute each declared block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+        timeout: collective timeout (Lightning's default: 30 minutes).
     """
 
     strategy_name = "lp_fsdp"
@@ -66,9 +68,9 @@ class FSDPStrategy(ShardedStrategy):
     def __init__(self, units: str | int | Sequence[str] = "blocks", reshard_after_forward: bool = True,
                  prefetch: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = None,
                  cpu_offload: bool = False, replicate: int = 1, activation_checkpointing: bool = False,
-                 process_group_backend: str | None = None, **kwargs: Any) -> None:
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,
-                         process_group_backend=process_group_backend, **kwargs)
+                         process_group_backend=process_group_backend, timeout=timeout)
         self.units = units if isinstance(units, (str, int)) else list(units)
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch

@@ -16,9 +16,11 @@ Offload exists only where it is real: zero1 and zero2 take no offload option.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -85,6 +87,11 @@ class Zero2Strategy(ShardedStrategy):
 
     strategy_name = "lp_zero2"
 
+    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(activation_checkpointing=activation_checkpointing,
+                         process_group_backend=process_group_backend, timeout=timeout)
+
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         super().validate_setup(world_size, module)
         kinds = {(p.dtype, p.device.type) for p in module.parameters() if p.requires_grad}
@@ -95,7 +102,7 @@ class Zero2Strategy(ShardedStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         clip = trainer.gradient_clip_val
-        if clip and trainer.gradient_clip_algorithm != "norm":
+        if clip and trainer.gradient_clip_algorithm not in (None, "norm"):  # None: Lightning's default, norm
             raise ValueError("zero2 clips by the global norm only; use trainer.gradient_clip_algorithm=norm")
         group = self.device_mesh.get_group("dp_shard")
         for i, opt in enumerate(list(self.optimizers)):
@@ -162,10 +169,10 @@ class Zero3Strategy(FSDPStrategy):
     strategy_name = "lp_zero3"
 
     def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
-                 **kwargs: Any) -> None:
+                 timeout: timedelta | None = default_pg_timeout) -> None:
         super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=False,
                          activation_checkpointing=activation_checkpointing,
-                         process_group_backend=process_group_backend, **kwargs)
+                         process_group_backend=process_group_backend, timeout=timeout)
 
 
 class Zero3OffloadStrategy(FSDPStrategy):
@@ -181,7 +188,7 @@ class Zero3OffloadStrategy(FSDPStrategy):
     strategy_name = "lp_zero3_offload"
 
     def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
-                 **kwargs: Any) -> None:
+                 timeout: timedelta | None = default_pg_timeout) -> None:
         super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=True,
                          activation_checkpointing=activation_checkpointing,
-                         process_group_backend=process_group_backend, **kwargs)
+                         process_group_backend=process_group_backend, timeout=timeout)

@@ -1,0 +1,210 @@
+"""End-to-end: run.py under the model-parallel strategies (pipeline, tensor_parallel, fsdp_tp, 3d).
+
+Every run's per-step training losses and its validation loss equal the single-device run's (fp32,
+same data order), a pipeline checkpoint resumes to the same losses (also into a different number
+of stages), the bubble lands in summary.json with its timeline and trace, and bad settings stop
+with one line before any process starts.
+
+The runs train with SGD and gradient clipping on purpose: SGD's losses change with any error in
+the scale of a gradient (a missing average over data-parallel ranks, micro-batch scaling applied
+twice), which Adam's normalization would hide; the clipping threshold is below the gradient norm
+in these steps, so a per-stage instead of whole-model norm changes the losses too.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_par.models import GPTModule
+from lightning_par.parallel.pipeline import theoretical_bubble
+from tests.helpers import assert_losses_match, run_cli, train_summary
+
+pytestmark = pytest.mark.slow
+
+# gpt_tiny with 4 heads (so tp=4 divides them): 4 pipeline layers (embed, 2 blocks, head)
+BASE = ["experiment=quick", "+model.n_head=4", "model.optimizer=sgd", "model.lr=0.1", "trainer.gradient_clip_val=0.5",
+        "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2",
+        "trainer.enable_progress_bar=false"]
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("single")
+    s = train_summary(BASE, run_dir)
+    s["val"] = val_losses(run_dir)
+    assert len(s["val"]) == 2 and s["losses"][-1] < s["losses"][0]
+    return s
+
+
+def assert_matches(s: dict, run_dir: Path, ref: dict) -> None:
+    assert_losses_match(s, ref)
+    np.testing.assert_allclose(val_losses(run_dir), ref["val"], rtol=1e-5, err_msg="validation loss")
+
+
+@pytest.mark.parametrize("schedule, devices, m", [
+    ("gpipe", 2, 4),
+    ("1f1b", 4, 4),
+    ("gpipe", 4, 1),  # naive model parallelism: one micro-batch, one stage busy at a time
+    ("interleaved_1f1b", 2, 4),  # two stages per rank (loop placement): 4 stages on 2 ranks
+])
+def test_pipeline_matches_single(ref, tmp_path, schedule, devices, m):
+    args = ["strategy=pipeline", f"trainer.devices={devices}", f"strategy.schedule={schedule}",
+            f"strategy.n_microbatches={m}"]
+    s = train_summary(BASE + args, tmp_path, timeout=300)
+    assert s["mesh"] == {"pp": devices}
+    assert_matches(s, tmp_path, ref)
+    # every rank holds only its stages: together, the parameters of one model
+    (single_mem,) = ref["memory"]
+    assert sum(r["params"] for r in s["memory"]) == single_mem["params"] == 4 * s["n_params"]
+    assert all(r["params"] < single_mem["params"] for r in s["memory"])
+    b = s["bubble"]
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    assert (b["schedule"], b["pp"], b["n_microbatches"], b["virtual_stages"]) == (schedule, devices, m, v)
+    assert b["theory"] == pytest.approx(theoretical_bubble(schedule, devices, m, v))
+    assert 0 < b["measured"] < 1 and b["measured_steps"] == 12 - 2
+    assert [st["pp_rank"] for st in b["per_stage"]] == list(range(devices))
+    assert all(len(st["stages"]) == v and st["busy_s"] > 0 for st in b["per_stage"])
+    if m == 1:
+        assert b["theory"] == pytest.approx(0.75) and b["measured"] > 0.6  # (p-1)/p idle
+    trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(devices)) and {e["name"][0] for e in spans} >= {"F", "B"}
+    assert (tmp_path / "pipeline_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+CKPT_DATA = ["data.max_bytes=6700", "data.val_fraction=0.5"]  # 6 optimizer steps per epoch
+
+
+def _ckpt_args(ckpt_dir: Path) -> list[str]:
+    return ["trainer.enable_checkpointing=true", "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"+callbacks.ckpt.dirpath={ckpt_dir}", "+callbacks.ckpt.filename='ep{epoch}'",
+            "+callbacks.ckpt.auto_insert_metric_name=false", "+callbacks.ckpt.save_top_k=-1"]
+
+
+def test_pipeline_checkpoint_resumes_in_any_number_of_stages(tmp_path):
+    pipe = BASE + CKPT_DATA + ["strategy=pipeline", "strategy.n_microbatches=4"]
+    full = train_summary(pipe + ["trainer.devices=2"] + _ckpt_args(tmp_path / "ckpt"), tmp_path / "full")
+    ckpt = tmp_path / "ckpt" / "ep0.ckpt"  # after epoch 0 = 6 steps; a directory written by every rank
+    assert (ckpt / "meta.pt").is_file() and (ckpt / ".metadata").is_file()
+    assert len(list(ckpt.glob("*.distcp"))) == 2
+    # same strategy, same layout
+    resumed = train_summary(pipe + ["trainer.devices=2", f"ckpt_path={ckpt}"], tmp_path / "resumed")
+    np.testing.assert_allclose(resumed["losses"], full["losses"][6:], rtol=1e-5, atol=1e-6)
+    # each rank stored its own layers under the full model's names: 4 stages load them as well
+    regrouped = train_summary(pipe + ["trainer.devices=4", "strategy.schedule=gpipe", f"ckpt_path={ckpt}"],
+                              tmp_path / "regrouped", timeout=300)
+    np.testing.assert_allclose(regrouped["losses"], full["losses"][6:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("devices, extra", [
+    (2, []),
+    (4, ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"]),
+])
+def test_tensor_parallel_matches_single(ref, tmp_path, devices, extra):
+    s = train_summary(BASE + ["strategy=tensor_parallel", f"trainer.devices={devices}", *extra], tmp_path, timeout=300)
+    assert s["mesh"] == {"tp": devices} and s["bubble"] is None
+    assert_matches(s, tmp_path, ref)
+    (single_mem,) = ref["memory"]
+    assert all(r["params"] < single_mem["params"] / devices * 1.5 for r in s["memory"])  # split, bar the small rest
+
+
+def test_fsdp_tp_matches_single(ref, tmp_path):
+    s = train_summary(BASE + ["strategy=fsdp_tp", "trainer.devices=4", "strategy.tp=2"], tmp_path, timeout=300)
+    assert s["mesh"] == {"dp_shard": 2, "tp": 2}
+    assert_matches(s, tmp_path, ref)
+    (single_mem,) = ref["memory"]
+    assert sum(r["params"] for r in s["memory"]) == pytest.approx(single_mem["params"], rel=0.02)  # each shard once
+
+
+def test_3d_matches_single(ref, tmp_path):
+    # pp=2 x dp=2 (FSDP) x tp=2 on 8 processes: about a minute on two cores
+    s = train_summary(BASE + ["strategy=3d", "trainer.devices=8"], tmp_path, timeout=420)
+    assert s["mesh"] == {"pp": 2, "dp_shard": 2, "tp": 2}
+    assert_matches(s, tmp_path, ref)
+    assert s["bubble"]["pp"] == 2 and len(s["bubble"]["per_stage"]) == 2
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["strategy=pipeline", "trainer.devices=4", "strategy.schedule=1f1b", "strategy.n_microbatches=2"],
+     r"1f1b needs n_microbatches >= pipeline stages per step \(pp=4\)"),
+    (["strategy=tensor_parallel", "trainer.devices=4"], r"tp=4 does not divide n_head=2"),
+    (["strategy=3d", "trainer.devices=6"], r"pp=2 x tp=2 = 4 does not divide the world size 6"),
+])
+def test_bad_settings_are_one_line(tmp_path, args, pattern):
+    proc = run_cli(["experiment=quick", *args], tmp_path, timeout=90, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# validation in one process (no training): each mistake is one line before processes start
+
+
+def _strategy(kind: str, **kw):
+    from lightning_par.strategies.composite import FSDPTPStrategy, Parallel3DStrategy
+    from lightning_par.strategies.pipeline import PipelineStrategy
+    from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+
+    return {"pipeline": PipelineStrategy, "tp": TensorParallelStrategy, "fsdp_tp": FSDPTPStrategy,
+            "3d": Parallel3DStrategy}[kind](**kw)
+
+
+TINY = dict(preset="gpt_tiny", seq_len=32)  # 2 heads, 2 blocks: 4 layers
+
+
+@pytest.mark.parametrize("kind, kw, world, model, pattern", [
+    ("pipeline", {}, 8, {}, r"cannot cut 4 layers into 8 pipeline stages"),
+    ("pipeline", dict(schedule="interleaved_1f1b", n_microbatches=4), 4, {}, r"cannot cut 4 layers into 8 pipeline"),
+    ("pipeline", dict(schedule="gpipe", virtual_stages=2), 2, {}, r"runs one stage per rank"),
+    ("pipeline", dict(split_points=["net.blocks.9"]), 2, {}, r"split point 'net.blocks.9' is not one of"),
+    ("pipeline", dict(split_points=[1, 2]), 2, {}, r"2 pipeline stages need 1 split points, got 2"),
+    ("pipeline", dict(pp=3), 4, {}, r"pp=3 does not divide the world size 4"),
+    ("tp", {}, 3, {}, r"tp=3 does not divide n_head=2"),
+    ("tp", dict(tp=2), 2, dict(n_head=2, vocab_size=255), r"tp=2 does not divide vocab_size=255"),
+    ("fsdp_tp", dict(tp=4), 8, {}, r"tp=4 does not divide n_head=2"),
+    ("fsdp_tp", dict(tp=4), 6, dict(n_head=4), r"FSDPTPStrategy: tp=4 does not divide the world size 6"),
+    ("3d", dict(schedule="interleaved_1f1b", n_microbatches=2), 4, dict(n_layer=1),
+     r"cannot cut 3 layers into 4 pipeline stages \(pp=2 x virtual_stages=2\)"),
+    ("3d", dict(pp=2, tp=4), 8, {}, r"tp=4 does not divide n_head=2"),
+    ("3d", dict(n_microbatches=1), 8, dict(n_head=4), r"needs n_microbatches >= pipeline stages"),
+])
+def test_validate_setup_errors(kind, kw, world, model, pattern):
+    strategy = _strategy(kind, **kw)
+    with pytest.raises(ValueError, match=pattern) as info:
+        strategy.validate_setup(world, GPTModule(**TINY, **model))
+    assert "\n" not in str(info.value)
+
+
+def test_model_without_plan_is_refused():
+    import lightning as L
+    from torch import nn
+
+    class NoPlan(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+    for kind, pattern in [("pipeline", r"declares its layers"), ("tp", r"needs a plan.*NoPlan declares no tp_plan")]:
+        with pytest.raises(ValueError, match=pattern):
+            _strategy(kind).validate_setup(2, NoPlan())
+
+
+def test_batch_must_split_into_microbatches():
+    strategy = _strategy("pipeline", n_microbatches=3)
+    with pytest.raises(ValueError, match=r"batch of 8 samples per pipeline does not split into n_microbatches=3"):
+        strategy.validate_batch(8, 2)
+    strategy.validate_batch(9, 2)

@@ -1,0 +1,170 @@
+"""End-to-end: the sharded strategies (zero1, zero2, zero3, zero3_offload, fsdp, hsdp) through run.py.
+
+Loss parity (DESIGN.md): fp32, same seed and data order -> every strategy's per-step losses equal
+the single-device run's. Tolerance: rtol 1e-5, atol 1e-6 (``assert_losses_match``); measured
+differences are ~5e-7 absolute (float32 rounding of reductions in a different order), identical
+for every strategy. bf16 runs are compared loosely (atol 2e-2; measured ~1e-3) and must learn.
+
+CPU time is the budget (two shared cores, ~15 s of process start-up per rank group), so runs are
+grouped into Hydra multiruns (one parent process per sweep) and shared through ``sweep()``, a
+per-session cache that ``test_estimate_crosscheck.py`` reuses for its memory figures.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import QUICK, assert_losses_match, run_cli
+
+pytestmark = pytest.mark.timeout(900)
+
+SHARDED = ("zero1", "zero2", "zero3", "fsdp")
+_CACHE: dict[tuple[str, ...], Path] = {}
+_DIR = Path(tempfile.mkdtemp(prefix="lp_sharded_"))
+atexit.register(shutil.rmtree, _DIR, True)
+
+
+def sweep_dir(*args: str, timeout: float = 900) -> Path:
+    """Run ``run.py -m QUICK *args`` once per test session; its sweep directory (jobs 0, 1, ...)."""
+    key = tuple(args)
+    if key not in _CACHE:
+        out = _DIR / f"sweep{len(_CACHE)}"
+        run_cli(["-m", *QUICK, *args, f"hydra.sweep.dir={out}"], out, timeout=timeout)
+        _CACHE[key] = out
+    return _CACHE[key]
+
+
+def sweep(*args: str, timeout: float = 900) -> list[dict]:
+    """The summaries of ``sweep_dir(*args)``'s jobs, in job order."""
+    out = sweep_dir(*args, timeout=timeout)
+    jobs = sorted((p for p in out.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    return [json.loads((p / "summary.json").read_text()) for p in jobs]
+
+
+def by_strategy(summaries: list[dict]) -> dict[str, dict]:
+    return {s["strategy"]: s for s in summaries}
+
+
+# the shared runs (each a multirun; the first test that needs one pays for it)
+def single_refs() -> tuple[dict, dict]:
+    """Single-device references: plain, and with gradient clipping at 0.5."""
+    plain, clipped = sweep("trainer.gradient_clip_val=null,0.5")
+    return plain, clipped
+
+
+# 4 ranks, saving a sharded checkpoint every 3 steps (test_checkpoint.py resumes from them)
+FOUR_RANKS = ("strategy=ddp,zero1,zero2,zero3,fsdp,hsdp", "trainer.devices=4", "callbacks=checkpoint",
+              "callbacks.checkpoint.every_n_train_steps=3")
+
+
+def four_ranks() -> dict[str, dict]:
+    return by_strategy(sweep(*FOUR_RANKS))
+
+
+def two_ranks_accumulating() -> dict[str, dict]:
+    """2 ranks x 2 accumulated micro-batches of 2 = the single run's global batch of 8, with
+    activation checkpointing (recomputation does not change fp32 results: parity still holds)."""
+    return by_strategy(sweep("strategy=ddp,zero1,zero2,zero3,fsdp,zero3_offload", "trainer.devices=2",
+                             "trainer.accumulate_grad_batches=2", "strategy.activation_checkpointing=true"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [*SHARDED, "hsdp"])
+def test_four_ranks_match_single(strategy):
+    s = four_ranks()[strategy]
+    assert s["world_size"] == 4 and len(s["memory"]) == 4
+    expected_mesh = {"dp_replicate": 2, "dp_shard": 2} if strategy == "hsdp" else {"dp_shard": 4}
+    assert s["mesh"] == expected_mesh
+    assert_losses_match(s, single_refs()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED, "zero3_offload"])
+def test_two_ranks_with_accumulation_and_activation_checkpointing_match_single(strategy):
+    s = two_ranks_accumulating()[strategy]
+    assert s["world_size"] == 2 and s["mesh"] == ({"dp_replicate": 2} if strategy == "ddp" else {"dp_shard": 2})
+    assert_losses_match(s, single_refs()[0])
+
+
+@pytest.mark.slow
+def test_zero3_offload_reports_host_bytes():
+    s = two_ranks_accumulating()["zero3_offload"]
+    zero3 = two_ranks_accumulating()["zero3"]
+    for off, z3 in zip(s["memory"], zero3["memory"]):
+        held = off["params"] + off["grads"] + off["optimizer_state"]
+        assert held > 0 and off["offloaded"] == held  # everything it holds is in host memory
+        assert (off["params"], off["grads"]) == (z3["params"], z3["grads"])  # the same shards as zero3
+    assert all(m["offloaded"] == 0 for m in zero3["memory"])
+
+
+@pytest.mark.slow
+def test_gradient_clipping_uses_the_global_norm(tmp_path):
+    """zero2 clips inside its step (after the reduce-scatter), fsdp through DTensor gradients: both
+    must clip by the norm of the *global* gradient, i.e. reproduce the single-device clipped run."""
+    plain, clipped = single_refs()
+    assert not np.allclose(plain["losses"], clipped["losses"], atol=1e-3)  # clipping is active
+    runs = by_strategy(sweep("strategy=zero2,fsdp", "trainer.devices=2", "trainer.gradient_clip_val=0.5"))
+    for s in runs.values():
+        assert_losses_match(s, clipped)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_runs():
+    """Lightning's bf16-mixed (autocast; fp32 weights, grads and optimizer state) under zero2 and zero3."""
+    runs = by_strategy(sweep("strategy=zero2,zero3", "trainer.devices=2", "trainer.precision=bf16-mixed"))
+    ref = single_refs()[0]
+    for name, s in runs.items():
+        assert s["precision"] == "bf16-mixed", name
+        losses = np.asarray(s["losses"])
+        assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, name
+        np.testing.assert_allclose(losses, ref["losses"], atol=2e-2, err_msg=name)  # bf16 compute, fp32 states
+        assert all(m["params"] == 4 * s["n_params"] // (2 if name == "zero3" else 1) for m in s["memory"])
+
+
+@pytest.mark.slow
+def test_fsdp_options_mixed_precision_policy():
+    """fsdp's own knobs: MixedPrecisionPolicy (bf16 gathers, fp32 reduction), units by class name,
+    no reshard after forward, prefetch 2, activation checkpointing -- with fp32 shards."""
+    (s,) = sweep("strategy=fsdp", "trainer.devices=2", "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32",
+                 "strategy.units=Block", "strategy.reshard_after_forward=false", "strategy.prefetch=2",
+                 "strategy.activation_checkpointing=true")
+    np.testing.assert_allclose(s["losses"], single_refs()[0]["losses"], atol=2e-2)
+    n = s["n_params"]
+    assert all(m["params"] == 4 * n // 2 for m in s["memory"])  # shards stay fp32
+
+
+@pytest.mark.slow
+def test_impossible_settings_stop_with_one_line(tmp_path):
+    proc = run_cli(["experiment=quick", "strategy=fsdp", "strategy.units=Blok"], tmp_path, timeout=90, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["error: unknown FSDP unit class 'Blok' for GPTModule; its block classes: GPT, Embedding, Block, "
+                     "CausalSelfAttention, MLP, Head"], proc.stderr[-2000:]
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["strategy=hsdp", "trainer.devices=3"], r"replicate=2 must be a positive divisor of the world size 3"),
+    (["strategy=zero1", "+strategy.cpu_offload=true"], r"Zero1Strategy: unknown option\(s\) cpu_offload .*zero3_offload"),
+    (["strategy=zero2", "+strategy.cpu_offload=true"], r"Zero2Strategy.__init__\(\) got an unexpected keyword argument 'cpu_offload'"),
+    (["strategy=fsdp", "strategy.param_dtype=fp8"], r"unknown param_dtype 'fp8'"),
+    (["strategy=fsdp", "strategy.prefetch=-1"], r"prefetch must be an integer >= 0"),
+    (["strategy=zero3", "trainer.devices=3", "data.global_batch_size=8"], r"not divisible by data-parallel size 3"),
+])
+def test_impossible_settings_are_config_errors(tmp_path, args, pattern):
+    """The same checks in-process (what run.py turns into ``error: ...`` and exit code 2)."""
+    from lightning_par import ConfigError
+    from lightning_par.train import build, validate
+    from tests.test_configs import composed
+
+    cfg = composed("experiment=quick", *args, tmp=tmp_path)
+    with pytest.raises(ConfigError, match=pattern):
+        parts = build(cfg)
+        validate(cfg, parts["strategy"], parts["model"], parts["datamodule"])
