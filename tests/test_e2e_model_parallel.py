@@ -51,15 +51,16 @@ def assert_matches(s: dict, run_dir: Path, ref: dict) -> None:
     np.testing.assert_allclose(val_losses(run_dir), ref["val"], rtol=1e-5, err_msg="validation loss")
 
 
-@pytest.mark.parametrize("schedule, devices, m", [
-    ("gpipe", 2, 4),
-    ("1f1b", 4, 4),
-    ("gpipe", 4, 1),  # naive model parallelism: one micro-batch, one stage busy at a time
-    ("interleaved_1f1b", 2, 4),  # two stages per rank (loop placement): 4 stages on 2 ranks
+@pytest.mark.parametrize("schedule, devices, m, extra", [
+    # with gradient accumulation: 2 pipeline steps of 4 samples per optimizer step (validation every 6 steps)
+    ("gpipe", 2, 2, ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]),
+    ("1f1b", 4, 4, []),
+    ("gpipe", 4, 1, []),  # naive model parallelism: one micro-batch, one stage busy at a time
+    ("interleaved_1f1b", 2, 4, []),  # two stages per rank (loop placement): 4 stages on 2 ranks
 ])
-def test_pipeline_matches_single(ref, tmp_path, schedule, devices, m):
+def test_pipeline_matches_single(ref, tmp_path, schedule, devices, m, extra):
     args = ["strategy=pipeline", f"trainer.devices={devices}", f"strategy.schedule={schedule}",
-            f"strategy.n_microbatches={m}"]
+            f"strategy.n_microbatches={m}", *extra]
     s = train_summary(BASE + args, tmp_path, timeout=300)
     assert s["mesh"] == {"pp": devices}
     assert_matches(s, tmp_path, ref)
@@ -71,7 +72,8 @@ def test_pipeline_matches_single(ref, tmp_path, schedule, devices, m):
     v = 2 if schedule == "interleaved_1f1b" else 1
     assert (b["schedule"], b["pp"], b["n_microbatches"], b["virtual_stages"]) == (schedule, devices, m, v)
     assert b["theory"] == pytest.approx(theoretical_bubble(schedule, devices, m, v))
-    assert 0 < b["measured"] < 1 and b["measured_steps"] == 12 - 2
+    calls = 12 * (2 if extra else 1)  # schedule calls: one per batch
+    assert 0 < b["measured"] < 1 and b["measured_steps"] == calls - 2
     assert [st["pp_rank"] for st in b["per_stage"]] == list(range(devices))
     assert all(len(st["stages"]) == v and st["busy_s"] > 0 for st in b["per_stage"])
     if m == 1:
@@ -82,28 +84,28 @@ def test_pipeline_matches_single(ref, tmp_path, schedule, devices, m):
     assert (tmp_path / "pipeline_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
-CKPT_DATA = ["data.max_bytes=6700", "data.val_fraction=0.5"]  # 6 optimizer steps per epoch
+def _logged_steps(run_dir: Path) -> list[int]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
 
 
-def _ckpt_args(ckpt_dir: Path) -> list[str]:
-    return ["trainer.enable_checkpointing=true", "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-            f"+callbacks.ckpt.dirpath={ckpt_dir}", "+callbacks.ckpt.filename='ep{epoch}'",
-            "+callbacks.ckpt.auto_insert_metric_name=false", "+callbacks.ckpt.save_top_k=-1"]
-
-
-def test_pipeline_checkpoint_resumes_in_any_number_of_stages(tmp_path):
-    pipe = BASE + CKPT_DATA + ["strategy=pipeline", "strategy.n_microbatches=4"]
-    full = train_summary(pipe + ["trainer.devices=2"] + _ckpt_args(tmp_path / "ckpt"), tmp_path / "full")
-    ckpt = tmp_path / "ckpt" / "ep0.ckpt"  # after epoch 0 = 6 steps; a directory written by every rank
-    assert (ckpt / "meta.pt").is_file() and (ckpt / ".metadata").is_file()
-    assert len(list(ckpt.glob("*.distcp"))) == 2
-    # same strategy, same layout
-    resumed = train_summary(pipe + ["trainer.devices=2", f"ckpt_path={ckpt}"], tmp_path / "resumed")
-    np.testing.assert_allclose(resumed["losses"], full["losses"][6:], rtol=1e-5, atol=1e-6)
-    # each rank stored its own layers under the full model's names: 4 stages load them as well
-    regrouped = train_summary(pipe + ["trainer.devices=4", "strategy.schedule=gpipe", f"ckpt_path={ckpt}"],
-                              tmp_path / "regrouped", timeout=300)
-    np.testing.assert_allclose(regrouped["losses"], full["losses"][6:], rtol=1e-5, atol=1e-6)
+def test_pipeline_checkpoint_resumes_in_any_layout(ref, tmp_path):
+    ckpt_args = ["callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=6"]
+    pipe = ["strategy=pipeline", "strategy.n_microbatches=4"]
+    full = train_summary(BASE + pipe + ckpt_args + ["trainer.devices=2"], tmp_path / "full")
+    assert_losses_match(full, ref)  # (1f1b on 2 ranks, with checkpointing)
+    ckpt = tmp_path / "full" / "checkpoints" / "step000006.ckpt"  # a directory: every rank wrote its own layers
+    assert (ckpt / "meta.pt").is_file() and (ckpt / ".metadata").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
+    resumes = {
+        "same": pipe + ["trainer.devices=2"],
+        "4 stages": pipe + ["trainer.devices=4", "strategy.schedule=gpipe"],  # other cut, other schedule
+        "single device": ["strategy=single"],  # the shared format: any strategy loads it
+    }
+    for name, args in resumes.items():
+        run_dir = tmp_path / name.replace(" ", "_")
+        s = train_summary(BASE + args + [f"ckpt_path={ckpt}"], run_dir, timeout=300)
+        assert min(_logged_steps(run_dir)) >= 6, name  # it trained steps 7..12 only (mid-epoch resume)
+        np.testing.assert_allclose(s["losses"], full["losses"], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("devices, extra", [
@@ -123,7 +125,8 @@ def test_fsdp_tp_matches_single(ref, tmp_path):
     assert s["mesh"] == {"dp_shard": 2, "tp": 2}
     assert_matches(s, tmp_path, ref)
     (single_mem,) = ref["memory"]
-    assert sum(r["params"] for r in s["memory"]) == pytest.approx(single_mem["params"], rel=0.02)  # each shard once
+    # a quarter of the model each (dp x tp shards), plus the small tensors TP replicates (LayerNorms)
+    assert all(r["params"] < 0.3 * single_mem["params"] for r in s["memory"])
 
 
 def test_3d_matches_single(ref, tmp_path):

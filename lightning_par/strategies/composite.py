@@ -32,9 +32,10 @@ and each micro-batch loss is scaled by ``1 / (n_microbatches * accumulate_grad_b
 
 Gradient clipping uses the norm of the whole model's gradient: DTensor gradients (TP, FSDP) give
 their norm over their mesh, and the pipeline ranks' partial norms are combined over the ``pp``
-axis (torchtitan's ``clip_grad_norm_``). Checkpoints are ``torch.distributed.checkpoint``
-directories: each rank writes the tensors it holds under the full model's names, optimizer
-state flattened per parameter, so a checkpoint loads into any pp / tp / dp layout.
+axis (torchtitan's ``clip_grad_norm_``). Checkpoints use the strategy-neutral format of
+``checkpoint.py`` (``torch.distributed.checkpoint`` directories, every tensor under the full
+model's parameter name, each rank writing what it holds), so a pipeline or tensor-parallel
+checkpoint loads into any other layout or strategy, and the training data resumes mid-epoch.
 """
 
 from __future__ import annotations
@@ -45,28 +46,15 @@ import statistics
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -86,7 +74,8 @@ from lightning_par.parallel.pipeline import (
     validate_pipeline,
 )
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel, check_tp_divisible, loss_parallel_context
-from lightning_par.strategies.base import ParStrategyMixin, local_tensor, model_plan
+from lightning_par.strategies.base import ShardedStrategy, local_tensor, model_plan
+from lightning_par.strategies.checkpoint import canonical_fqn
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +204,7 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
 # The strategy
 
 
-class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
+class MeshParallelStrategy(ShardedStrategy):
     """Pipeline x tensor x data parallelism on one device mesh (see the module docstring).
 
     Args:
@@ -257,9 +246,9 @@ class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
         pipelined: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(activation_checkpointing=activation_checkpointing, process_group_backend=process_group_backend,
+                         timeout=timeout)
         name = type(self).__name__
         if pp is None and tp is None:
             raise ValueError(f"{name}: at most one of pp and tp may be null (= the rest of the world)")
@@ -283,17 +272,12 @@ class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
         self.split_points = list(split_points) if split_points is not None else None
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
-        self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
         self.pipelined = pipelined
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._device_mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
         self._parallelized = False
         self._loss_scale = 1.0
         self._pending_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self.num_nodes = 1
 
     # ----------------------------------------------------------------------------- sizes
     def _sizes(self, world_size: int) -> tuple[int, int, int]:
@@ -381,13 +365,8 @@ class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
                              f"accumulate_grad_batches) a multiple of {m}")
 
     # ----------------------------------------------------------------- Lightning plumbing
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError(f"{type(self).__name__}: the device mesh exists only after processes have started "
-                               "(in setup_environment)")
-        return self._device_mesh
-
+    # (process group, mesh from dims_for, sampler ranks from the dp axis, launcher, collectives and the
+    # checkpoint format come from ShardedStrategy and DistributedCheckpointMixin)
     @property
     def pipeline(self) -> Pipeline | None:
         """This rank's part of the pipeline (None without one): stage modules, schedule, timer."""
@@ -403,69 +382,6 @@ class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
         return {"schedule": self.schedule, "pp": dims.pp, "n_microbatches": self.n_microbatches_for(dims.pp),
                 "virtual_stages": self.virtual_stages, "pp_rank": pp_rank, "replica": dp_rank * dims.tp + tp_rank,
                 "stages": [m.stage_index for m in pipe.modules] if pipe else []}
-
-    @property
-    def is_distributed(self) -> bool:
-        # Lightning syncs ``self.log(..., sync_dist=True)`` only for the strategies it lists as
-        # distributed, or those that say so here (else each rank keeps its own value)
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of one pipeline / tensor-parallel group reads the same batch: ranks come from the dp axis
-        rank, size = dp_coordinates(self._device_mesh, self.parallel_dims)
-        return {"num_replicas": size, "rank": rank}
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the model is cut / sharded in setup; checkpoints load into the local part
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores the optimizers itself
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = self._make_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (self._process_group_backend
-                                       or _get_default_process_group_backend_for_device(self.root_device))
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        dims = self.dims_for(self.world_size)
-        dims.validate(self.world_size)
-        self._device_mesh = dims.build_mesh(self.root_device.type)
-        log.info("%s: mesh %s", type(self).__name__, dims.sizes())
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -486,11 +402,6 @@ class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._use_global_norm_clipping()
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     # ---------------------------------------------------------------- applying techniques
     def _parallelize(self, trainer: Any) -> None:
@@ -671,109 +582,33 @@ class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     @override
     def teardown(self) -> None:
         self._pipeline = None
         self._pending_grads = []
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        super().teardown()
 
     # ------------------------------------------------------------------- checkpoints
+    # The shared format (strategies/checkpoint.py): model and optimizer state under the full model's
+    # parameter names, each rank writing what it holds. A pipeline rank knows only its own parameters,
+    # but the optimizer's ``param_groups`` are one object in the checkpoint (DCP keeps one copy), so
+    # they are merged over the ranks first -- then any strategy and layout can load them.
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.lightning_module, options=StateDictOptions(cpu_offload=True))
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        # flattened: one key per parameter and state ("state.net.blocks.0.mlp.fc.weight.exp_avg"), so
-        # ranks holding different stages never write the same key and any layout can load it
-        options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+    def checkpoint_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = get_optimizer_state_dict(self.lightning_module, optimizer)
+        if self._pipeline is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            order = {canonical_fqn(name): (m.stage_index, i) for m in self._pipeline.modules
+                     for i, name in enumerate(m.fqns)}
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (state["param_groups"], order))
+            state["param_groups"] = _merge_param_groups(gathered)
+        return state
 
     @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """A directory: the tensors of every rank (torch.distributed.checkpoint) + ``meta.pt`` (loops,
-        callbacks, hyper-parameters) from rank 0."""
-        import torch.distributed.checkpoint as dcp
-
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        if self.global_rank == 0 and path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(state, checkpoint_id=path)
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
-        self.barrier()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not (path / _METADATA_FILENAME).is_file():
-            raise ConfigError(f"{type(self).__name__}: {path} is not a checkpoint written by this strategy "
-                              f"(a directory with {_METADATA_FILENAME})")
-        module = self.lightning_module
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
-        for i, opt in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=options)
-        dcp.load(state, checkpoint_id=path)  # each rank reads the tensors of its own layers / shards
-        set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
-        for i, opt in enumerate(self.optimizers):
-            set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=options)
-        return torch.load(path / _METADATA_FILENAME, weights_only=bool(weights_only))
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        local = {canonical_fqn(name) for name, _ in self.lightning_module.named_parameters()}
+        groups = [{**g, "params": [f for f in g["params"] if f in local]} for g in state["param_groups"]]
+        set_optimizer_state_dict(self.lightning_module, optimizer, {**state, "param_groups": groups})
 
     @override
     def describe(self) -> dict[str, Any]:
@@ -782,6 +617,20 @@ class MeshParallelStrategy(ParStrategyMixin, ParallelStrategy):
             out.update(schedule=self.schedule, n_microbatches=self.n_microbatches_for(self.parallel_dims.pp),
                        virtual_stages=self.virtual_stages)
         return out
+
+
+def _merge_param_groups(gathered: Sequence[tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]]) -> list[dict]:
+    """One ``param_groups`` list naming every rank's parameters (in stage order), from each rank's own."""
+    groups, order = [], {}
+    for rank_groups, rank_order in gathered:
+        order.update(rank_order)
+        for i, g in enumerate(rank_groups):
+            if i == len(groups):
+                groups.append({**g, "params": []})
+            groups[i]["params"].extend(f for f in g["params"] if f not in groups[i]["params"])
+    for g in groups:
+        g["params"].sort(key=lambda f: order.get(f, (1 << 30, 0)))
+    return groups
 
 
 def _fsdp_root(module: nn.Module, plan: Any) -> tuple[nn.Module, str]:
