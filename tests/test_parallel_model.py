@@ -37,6 +37,8 @@ from lightning_par.parallel.tensor_parallel import (
 )
 from tests.dist import run_distributed
 
+pytestmark = pytest.mark.slow  # multi-process (gloo) runs
+
 TP_CFG = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64)
 PP_CFG = dict(n_layer=6, n_head=4, n_embd=32, block_size=16, vocab_size=64)  # 8 layers: 4 ranks x 2 chunks
 

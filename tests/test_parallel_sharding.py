@@ -19,6 +19,8 @@ from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
 from lightning_par.parallel.zero import Zero2Optimizer, make_zero1_optimizer
 from tests.dist import run_distributed
 
+pytestmark = pytest.mark.slow  # multi-process (gloo) runs
+
 STEPS, BATCH = 3, 8
 
 
