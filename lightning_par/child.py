@@ -6,6 +6,7 @@ set LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from omegaconf import OmegaConf
@@ -17,6 +18,12 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m lightning_par.child RESOLVED_CONFIG.yaml")
     train(OmegaConf.load(argv[0]), child=True)
+    # The work is done and the process group destroyed. Skip interpreter finalization: gloo's
+    # worker threads can still be releasing tensors then, which aborts the process now and then
+    # ("terminate called without an active exception") and would turn a finished rank into a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,14 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
         dims = strategy.dims_for(world)
         from lightning_par.data import micro_batch_size
 
-        micro_batch_size(int(cfg.data.global_batch_size), dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1)))
+        micro = micro_batch_size(int(cfg.data.global_batch_size), dims.dp,
+                                 int(cfg.trainer.get("accumulate_grad_batches", 1)))
+        check_batch = getattr(strategy, "validate_batch", None)  # e.g. pipelines: micro-batches must divide it
+        if callable(check_batch):
+            try:
+                check_batch(micro, world)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     return world
 
 

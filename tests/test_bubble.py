@@ -171,7 +171,8 @@ def test_bubble_summary_trace_and_timeline(tmp_path) -> None:
     assert s["theory"] == pytest.approx(0.5)
     assert s["measured"] == pytest.approx(1 - 0.06 / (0.08 + 0.07))  # step walls: the longest rank of each step
     assert [p["rank"] for p in s["per_stage"]] == [0, 1]  # one pipeline (replica 0)
-    assert s["per_stage"][0]["busy_s"] == pytest.approx(0.03) and s["per_stage"][0]["peak_activation_bytes"] == {"0": 1024}
+    assert s["per_stage"][0]["busy_s"] == pytest.approx(0.03)
+    assert s["per_stage"][0]["peak_activation_bytes"] == {"0": 1024}
     assert {k for k in ("measured", "theory", "per_stage", "schedule", "n_microbatches", "pp")} <= set(s)
 
     write_trace(ranks, str(tmp_path / "trace.json"), INFO)

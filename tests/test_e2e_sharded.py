@@ -7,21 +7,35 @@ for every strategy. bf16 runs are compared loosely (atol 2e-2; measured ~1e-3) a
 
 CPU time is the budget (two shared cores, ~15 s of process start-up per rank group), so runs are
 grouped into Hydra multiruns (one parent process per sweep) and shared through ``sweep()``, a
-per-session cache that ``test_estimate_crosscheck.py`` reuses for its memory figures.
+per-session cache that ``test_estimate_crosscheck.py`` and ``test_checkpoint.py`` reuse.
+
+Each sweep runs in its own process group with its output in a file: a timeout or a failure kills
+every rank it started (an orphaned rank blocked in a collective cannot hang the suite). A sweep is
+retried once, and only, when a rank aborted at interpreter exit with torch's gloo finalization race
+("terminate called without an active exception": a gloo worker thread frees a finished all-reduce
+whose tensors need the GIL while Python finalizes). The rank's results were already written, but
+Lightning's process observer of that job, still alive in the multirun parent, then kills the
+parent during the next job.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import QUICK, assert_losses_match, run_cli
+from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -31,13 +45,42 @@ _DIR = Path(tempfile.mkdtemp(prefix="lp_sharded_"))
 atexit.register(shutil.rmtree, _DIR, True)
 
 
+EXIT_RACE = "terminate called without an active exception"
+
+
+def _run_group(cmd: list[str], log: Path, timeout: float) -> int:
+    """Run ``cmd`` in a new process group, output to ``log``; afterwards kill what is left of the group."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -1
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def sweep_dir(*args: str, timeout: float = 900) -> Path:
     """Run ``run.py -m QUICK *args`` once per test session; its sweep directory (jobs 0, 1, ...)."""
     key = tuple(args)
-    if key not in _CACHE:
-        out = _DIR / f"sweep{len(_CACHE)}"
-        run_cli(["-m", *QUICK, *args, f"hydra.sweep.dir={out}"], out, timeout=timeout)
-        _CACHE[key] = out
+    for attempt in range(2):
+        if key in _CACHE:
+            break
+        out = _DIR / f"sweep{len(_CACHE)}-{attempt}"
+        log = _DIR / f"{out.name}.log"
+        rc = _run_group([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *args, f"hydra.sweep.dir={out}"],
+                        log, timeout)
+        text = log.read_text()
+        if rc == 0:
+            _CACHE[key] = out
+        elif attempt == 1 or EXIT_RACE not in text:
+            raise AssertionError(f"run.py -m {' '.join(args)} failed ({'timeout' if rc == -1 else rc}):\n"
+                                 f"{text[-6000:]}")
+        else:
+            warnings.warn(f"retrying run.py -m {' '.join(args)}: a rank hit gloo's exit race ({EXIT_RACE!r})",
+                          stacklevel=2)
     return _CACHE[key]
 
 

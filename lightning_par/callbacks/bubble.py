@@ -214,7 +214,8 @@ class BubbleMonitor(L.Callback):
         self._wall.append(wall)
         off = self._offset
         self._steps.append({"step": self._seen - 1, "start": timer.step_start + off, "end": timer.step_end + off,
-                            "events": [(e.stage, e.kind, e.microbatch, e.start + off, e.end + off) for e in timer.events]})
+                            "events": [(e.stage, e.kind, e.microbatch, e.start + off, e.end + off)
+                                       for e in timer.events]})
         del self._steps[:-max(1, self.trace_steps)]
         pl_module.log("pipeline/bubble_rank0", max(0.0, 1.0 - busy / max(wall, 1e-12)), rank_zero_only=True)
 
@@ -297,7 +298,8 @@ def write_trace(ranks: Sequence[dict[str, Any]], path: str, info: dict[str, Any]
         events.append({"name": "process_sort_index", "ph": "M", "pid": r["rank"],
                        "args": {"sort_index": r["replica"] * 1000 + r["pp_rank"]}})
         for s in r["stages"]:
-            events.append({"name": "thread_name", "ph": "M", "pid": r["rank"], "tid": s, "args": {"name": f"stage {s}"}})
+            events.append({"name": "thread_name", "ph": "M", "pid": r["rank"], "tid": s,
+                           "args": {"name": f"stage {s}"}})
         for step in r["steps"]:
             for stage, kind, mb, start, end in step["events"]:
                 events.append({"name": f"{kind}{mb}" if mb >= 0 else kind, "cat": KIND_NAMES.get(kind, kind), "ph": "X",
@@ -347,15 +349,15 @@ def draw_timeline(ranks: Sequence[dict[str, Any]], path: str, info: dict[str, An
     ax.set_xlim(0, (t1 - t0) * scale)
     ax.set_xlabel("time in the step (ms)")
     measured = summary.get("measured")
-    ax.set_title(f"{info['schedule']}: pp={info['pp']}, {info['n_microbatches']} micro-batches"
+    ax.set_title(f"{info['schedule']}: pp={info['pp']}, m={info['n_microbatches']} micro-batches"
                  f"{', v=' + str(info['virtual_stages']) if info['virtual_stages'] > 1 else ''} -- bubble measured "
                  f"{measured:.2f} (mean of the run), theory {summary['theory']:.2f}" if measured is not None else
                  f"{info['schedule']}: pp={info['pp']}", fontsize=9)
     handles = [Patch(facecolor=COLORS[k], edgecolor="#555555", label=KIND_NAMES[k]) for k in "FBIWL" if k in kinds]
     handles.append(Patch(facecolor=IDLE_COLOR, label="idle (bubble)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.12),
-              ncol=len(handles), fontsize=7, frameon=False)
-    fig.tight_layout()
+    legend_h = 0.35 / fig.get_figheight()  # a fixed strip at the bottom for the legend
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_h, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return True
@@ -412,6 +414,9 @@ def plot_bubble_sweep(sweep_dir: str) -> str | None:
         line, = ax.plot(ms, [r["measured"] for r in rs], "o-", label=f"{label} measured")
         ax.plot(ms, [r["theory"] for r in rs], "--", color=line.get_color(), alpha=0.7, label=f"{label} theory")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["n_microbatches"] for r in rows})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("micro-batches per batch (m)")
     ax.set_ylabel("bubble (idle fraction of the step)")
     ax.set_ylim(0, 1)

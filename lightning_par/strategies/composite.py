@@ -132,7 +132,8 @@ def resolve_split_points(layers: Sequence[str], split_points: Sequence[int | str
     return bounds
 
 
-def measure_layer_times(module: nn.Module, layers: Sequence[str], example: torch.Tensor, repeats: int = 3) -> list[float]:
+def measure_layer_times(module: nn.Module, layers: Sequence[str], example: torch.Tensor,
+                        repeats: int = 3) -> list[float]:
     """Seconds of forward + backward of every layer on ``example`` (median of ``repeats`` runs after a
     warm-up), layer by layer: the costs for a compute-balanced pipeline cut."""
     times: list[list[float]] = [[] for _ in layers]
@@ -335,7 +336,8 @@ class MeshParallelStrategy(ShardedStrategy):
                 raise ValueError(f"{name}: balance=time measures layers on {model}.example_input(batch_size), "
                                  "which it does not define; use balance=params or split_points")
             if self.loss_parallel:
-                raise ValueError(f"{name}: loss_parallel is not supported with pipeline stages; set loss_parallel=false")
+                raise ValueError(f"{name}: loss_parallel is not supported with pipeline stages; "
+                                 "set loss_parallel=false")
             if self.pipelined and dims.pp == 1 and world_size > 1:
                 raise ValueError(f"{name}: pp=1 on {world_size} ranks is no pipeline; use pp={world_size} "
                                  "(or strategy=ddp for data parallelism)")
@@ -349,7 +351,8 @@ class MeshParallelStrategy(ShardedStrategy):
                 if getattr(self, option):
                     raise ValueError(f"{name}: {option} needs tensor parallelism (tp > 1), but tp=1")
         if self.loss_parallel and not callable(getattr(module, "loss_fn", None)):
-            raise ValueError(f"{name}: loss_parallel computes the loss itself and needs {model}.loss_fn(output, target)")
+            raise ValueError(f"{name}: loss_parallel computes the loss itself and needs "
+                             f"{model}.loss_fn(output, target)")
         if self.activation_checkpointing and (plan is None or not plan.blocks):
             raise ValueError(f"{name}: activation_checkpointing needs a model that declares its blocks "
                              f"(parallel_plan().blocks); {model} declares none")
@@ -415,8 +418,9 @@ class MeshParallelStrategy(ShardedStrategy):
         mesh = self.device_mesh
         # torchtitan's order: TP, then activation checkpointing, then FSDP / data parallel
         if dims.tp > 1:
-            apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=plan.tp_plan, sequence_parallel=self.sequence_parallel,
-                                  loss_parallel=self.loss_parallel, divisible=plan.tp_divisible)
+            apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=plan.tp_plan,
+                                  sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
+                                  divisible=plan.tp_divisible)
         self._apply_activation_checkpointing(module)
         if dims.dp_shard > 1:
             root, prefix = _fsdp_root(module, plan)
@@ -459,7 +463,8 @@ class MeshParallelStrategy(ShardedStrategy):
         for path in layers:
             if path not in local:  # configure_optimizers and state_dict see only this rank's layers
                 _replace_submodule(module, path, RemoteLayer(path, owner[path]))
-        log.info("%s: layers cut at %s; pipeline rank %d holds stages %s", type(self).__name__, bounds, pp_rank, indices)
+        log.info("%s: layers cut at %s; pipeline rank %d holds stages %s", type(self).__name__, bounds, pp_rank,
+                 indices)
 
         for stage in stages:
             # 2. TP inside each stage (the plan's paths are the full model's, as are the stage's)

@@ -66,9 +66,8 @@ class Zero1Strategy(DDPStrategy):
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         assert isinstance(optimizer, ZeroRedundancyOptimizer)
         fqns = module_fqns(self.lightning_module)
-        for p in optimizer.optim.state:
-            optimizer.optim.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v)
-                                        for k, v in state["state"][fqns[p]].items()}
+        for p in optimizer.optim.state:  # the template's tensors (loaded in place by DCP) are the live ones
+            optimizer.optim.state[p] = dict(state["state"][fqns[p]])
         for group, saved in zip(optimizer.param_groups, state["param_groups"]):
             group.update(hyperparameters(saved))  # synced to the local optimizer at every step
 
