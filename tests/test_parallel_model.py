@@ -133,7 +133,8 @@ def test_tensor_parallel_plan_errors() -> None:
             apply_tensor_parallel(model, tp_mesh=mesh, plan={"blocks.*.nope": "colwise"})
         applied = apply_tensor_parallel(model, tp_mesh=mesh, plan=model.parallel_plan().tp_plan)
         assert applied["blocks.1.attn.wq"] == "colwise"
-        assert applied["blocks.0.ln_1"] == applied["embed.pos"] == "replicate"  # no SP: replicated, not sharded
+        assert applied["blocks.0.ln_1"] == "replicate"  # no SP: replicated, not sharded
+        assert applied["embed.pos"] == "position"  # named by the plan; without SP it is replicated too
         assert _lm_loss(model(torch.randint(0, 64, (2, 16))), torch.zeros(2, 16, dtype=torch.long)).isfinite()
 
     _tp_single_rank(check)

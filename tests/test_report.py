@@ -143,7 +143,8 @@ def test_bubble_keys_read_defensively():
 def test_report_of_real_compare_dp_sweep(tmp_path):
     """The compare_dp preset at one world size (2 jobs: single, ddp) on the tiny GPT, then the report."""
     sweep = tmp_path / "sweep"
-    run_cli(["-m", "experiment=compare_dp", "model=gpt_tiny", "data.seq_len=64", "data.max_bytes=400000",
+    run_cli(["-m", "experiment=compare_dp", "hydra.sweeper.params.strategy='single,ddp'", "model=gpt_tiny",
+             "data.seq_len=64", "data.max_bytes=400000",
              "data.global_batch_size=8", "trainer.max_steps=12", "trainer.devices=2", f"hydra.sweep.dir={sweep}"],
             sweep, timeout=400)
     summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in ("0", "1")]

@@ -166,15 +166,16 @@ class Zero3Strategy(FSDPStrategy):
     """
 
     strategy_name = "lp_zero3"
+    _offload = False
 
     def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
-        super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=False,
+        super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=self._offload,
                          activation_checkpointing=activation_checkpointing,
                          process_group_backend=process_group_backend, timeout=timeout)
 
 
-class Zero3OffloadStrategy(FSDPStrategy):
+class Zero3OffloadStrategy(Zero3Strategy):
     """ZeRO stage 3 with CPU offload: parameter shards, gradients and optimizer state live in host
     memory; each unit's parameters are copied to the device for its forward/backward, gradients are
     copied back, and the optimizer step runs on the host (FSDP2's ``CPUOffloadPolicy``).
@@ -185,9 +186,4 @@ class Zero3OffloadStrategy(FSDPStrategy):
     """
 
     strategy_name = "lp_zero3_offload"
-
-    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
-        super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=True,
-                         activation_checkpointing=activation_checkpointing,
-                         process_group_backend=process_group_backend, timeout=timeout)
+    _offload = True
