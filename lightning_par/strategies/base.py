@@ -169,9 +169,13 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
     def parallelize(self, module: nn.Module) -> None:
         """Shard ``module`` in place on ``self.device_mesh`` (default: nothing)."""
 
+    #: False where ``parallelize`` applies activation checkpointing itself (after TP, torchtitan's order)
+    _checkpoint_before_parallelize = True
+
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
-        self._apply_activation_checkpointing(self.lightning_module)
+        if self._checkpoint_before_parallelize:
+            self._apply_activation_checkpointing(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.parallelize(self.lightning_module)

@@ -51,8 +51,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
@@ -386,25 +384,21 @@ class MeshParallelStrategy(ShardedStrategy):
                 "virtual_stages": self.virtual_stages, "pp_rank": pp_rank, "replica": dp_rank * dims.tp + tp_rank,
                 "stages": [m.stage_index for m in pipe.modules] if pipe else []}
 
+    _checkpoint_before_parallelize = False  # _parallelize applies it after TP
+
     @override
     def setup(self, trainer: Any) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
         if self.uses_pipeline(self.parallel_dims) and getattr(self.precision_plugin, "scaler", None) is not None:
             raise ConfigError(f"{type(self).__name__}: a pipeline runs backward inside its schedule and cannot use "
                               "16-mixed's gradient scaler; use bf16-mixed or 32-true")
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if not self._parallelized:  # once: fit followed by validate must not cut the model again
-            self._parallelize(trainer)
-            self._parallelized = True
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        super().setup(trainer)
         self._use_global_norm_clipping()
+
+    @override
+    def parallelize(self, module: nn.Module) -> None:
+        if not self._parallelized:  # once: fit followed by validate must not cut the model again
+            self._parallelize(self.lightning_module.trainer)
+            self._parallelized = True
 
     # ---------------------------------------------------------------- applying techniques
     def _parallelize(self, trainer: Any) -> None:
