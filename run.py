@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from lightning_par import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "lightning_par" / "conf"
 GROUPS = ("strategy", "model", "data", "trainer", "callbacks", "logger", "experiment", "paths")
 
 
@@ -41,7 +41,7 @@ def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
                 raise ConfigError(f"unknown {key} {v.strip()!r}; choose from: {', '.join(known)}")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="lightning_par/conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     # A failed job leaves error.json in its output dir (lightning_par/jobs.py). A single run exits 2 on
     # a configuration mistake; in a sweep the error goes back to Hydra, which marks this job failed,

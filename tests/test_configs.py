@@ -15,7 +15,7 @@ from omegaconf import open_dict
 
 from lightning_par.strategies.base import ParStrategyMixin
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "lightning_par" / "conf"
 
 
 def names(group: str) -> list[str]:

@@ -125,7 +125,7 @@ if __name__ == "__main__":
 def test_user_lightning_module_with_strategy_yaml(tmp_path):
     script = tmp_path / "user_train.py"
     script.write_text(USER_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(ROOT / "conf/strategy/ddp.yaml")], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(script), str(ROOT / "lightning_par/conf/strategy/ddp.yaml")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = re.findall(r"RANK(\d) world=(\d+) steps=(\d+) loss=([\d.]+) type=(\w+)", proc.stdout)
