@@ -4,7 +4,7 @@ The LightningModules are imported lazily, so layer-1 code and tests that need on
 architecture (``lightning_par.models.gpt``) do not pay for importing Lightning.
 """
 
-from lightning_par.models.plan import ParallelPlan
+from lightning_par.parallel.contract import ParallelPlan
 
 __all__ = ["CNNModule", "GPTModule", "MLPModule", "ParModule", "ParallelPlan"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_par.models.plan import ParallelPlan
+from lightning_par.parallel.contract import ParallelPlan
 
 
 class ConvBlock(nn.Module):

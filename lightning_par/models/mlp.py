@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.models.plan import ParallelPlan
+from lightning_par.parallel.contract import ParallelPlan
 
 
 class Dense(nn.Module):

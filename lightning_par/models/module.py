@@ -20,7 +20,7 @@ from torch import nn
 from lightning_par.models.cnn import CNN
 from lightning_par.models.gpt import GPT, PRESETS, GPTConfig
 from lightning_par.models.mlp import MLPNet
-from lightning_par.models.plan import ParallelPlan
+from lightning_par.parallel.contract import ParallelPlan
 
 
 class ParModule(L.LightningModule):
