@@ -1,0 +1,175 @@
+"""A Hugging Face ``transformers`` causal language model, built from a config (never downloaded).
+
+``HFCausalLM`` is a ``ParModule`` (same optimizer options and loss) around
+``AutoModelForCausalLM.from_config``: GPT-2, Llama, Qwen2 or Mistral at any size. Parallelism comes
+from what the model itself declares (``parallel/hf_plan.py``): its decoder layers are the FSDP and
+activation-checkpointing units, its tensor-parallel plan is translated to ours, its pipeline plan
+gives the cut points. The model is built in ``configure_model()`` (Lightning calls it inside the
+strategy's init context, possibly on the meta device); ``parallel_plan()`` works before that from a
+meta-device copy, so a run can be validated before any process starts.
+
+Determinism for loss parity: no dropout, SDPA attention, and an eager build draws its weights from
+a generator forked off the global seed, so every strategy and world size starts from the same
+weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_par.models.module import ParModule
+from lightning_par.parallel.contract import ParallelPlan
+from lightning_par.parallel.hf_plan import (
+    check_tied,
+    hf_init_fn,
+    hf_parallel_plan,
+    hf_prepare_pipeline,
+    tag_paths,
+)
+
+ARCHS = ("gpt2", "llama", "qwen2", "mistral")
+_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
+                 "summary_first_dropout")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("HFCausalLM needs transformers: pip install lightning_par[hf]") from None
+    return transformers
+
+
+def hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int | None, intermediate: int | None,
+              vocab: int, max_positions: int, tie_word_embeddings: bool, **extra: Any) -> Any:
+    """A ``transformers`` config for ``arch`` in our size vocabulary, without dropout, SDPA attention."""
+    if arch not in ARCHS:
+        raise ValueError(f"HFCausalLM: unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if vocab < 256:
+        raise ValueError(f"HFCausalLM: vocab={vocab} is below 256, the byte-level text data's alphabet")
+    if hidden % heads:
+        raise ValueError(f"HFCausalLM: hidden={hidden} is not divisible by heads={heads}")
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"HFCausalLM: heads={heads} is not a multiple of kv_heads={kv_heads}")
+    if arch == "gpt2":
+        if kv_heads not in (None, heads):
+            raise ValueError("HFCausalLM: gpt2 has no grouped-query attention; leave kv_heads null")
+        sizes = dict(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate, n_positions=max_positions,
+                     bos_token_id=None, eos_token_id=None)
+    else:
+        sizes = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads or heads, intermediate_size=intermediate or 4 * hidden,
+                     max_position_embeddings=max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = _transformers().AutoConfig.for_model(arch, vocab_size=vocab, tie_word_embeddings=tie_word_embeddings,
+                                               use_cache=False, **sizes, **extra)
+    for key in _DROPOUT_KEYS:
+        if hasattr(cfg, key):
+            setattr(cfg, key, 0.0)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class HFCausalLM(ParModule):
+    """A Hugging Face causal LM from a config; next-token prediction on ``(B, T)`` token ids.
+
+    Args:
+        arch: ``gpt2``, ``llama``, ``qwen2`` or ``mistral``.
+        hidden, layers, heads: width, depth and attention heads.
+        kv_heads: key/value heads (grouped-query attention; null: = heads). Not for gpt2.
+        intermediate: MLP inner size (null: the architecture's default, 4 x hidden).
+        vocab: vocabulary size, at least 256 (the text data is byte-level).
+        max_positions: longest sequence the model accepts (at least ``seq_len``).
+        tie_word_embeddings: share the input embedding with the output projection.
+        seq_len: training sequence length (for ``example_input``).
+        config: further ``transformers`` config fields (e.g. ``rope_theta``).
+        optimizer, lr, weight_decay, betas, momentum: as ``ParModule``.
+    """
+
+    input_kind = "tokens"
+
+    def __init__(self, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
+                 kv_heads: int | None = None, intermediate: int | None = None, vocab: int = 256,
+                 max_positions: int = 128, tie_word_embeddings: bool = False, seq_len: int | None = None,
+                 config: dict | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        self.seq_len = seq_len or max_positions
+        if self.seq_len > max_positions:
+            raise ValueError(f"HFCausalLM: seq_len={self.seq_len} exceeds max_positions={max_positions}")
+        self.hf_config = hf_config(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                   intermediate=intermediate, vocab=vocab, max_positions=max_positions,
+                                   tie_word_embeddings=tie_word_embeddings, **dict(config or {}))
+        self._plan: ParallelPlan | None = None
+
+    # ------------------------------------------------------------------------ building
+    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
+        """A fresh Hugging Face model (meta: shapes only; else initialised from the global seed)."""
+        auto = _transformers().AutoModelForCausalLM
+        device = torch.device(device)
+        if device.type == "meta":
+            with torch.device("meta"):
+                net = auto.from_config(self.hf_config, attn_implementation="sdpa")
+        else:
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), torch.device(device):
+                torch.manual_seed(torch.initial_seed())  # the same weights whatever ran before
+                net = auto.from_config(self.hf_config, attn_implementation="sdpa")
+        tag_paths(net)  # lets the init function place copies of its submodules (hf_plan.hf_init_fn)
+        hf_prepare_pipeline(net)
+        return net
+
+    def configure_model(self) -> None:
+        """Build the model once (Lightning's hook; under a meta device context it stays on meta)."""
+        if getattr(self, "net", None) is not None:
+            return
+        device = _current_device()
+        self.net = self.build_net(device)
+
+    @property
+    def built(self) -> bool:
+        return getattr(self, "net", None) is not None
+
+    def _model(self) -> nn.Module:
+        """The built model, or a meta copy for questions about its structure."""
+        return self.net if self.built else self.build_net("meta")
+
+    # ------------------------------------------------------------------------ contract
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.built:
+            raise RuntimeError("HFCausalLM: the model is built in configure_model(); call it first")
+        return self.net(input_ids=x, use_cache=False).logits
+
+    def parallel_plan(self) -> ParallelPlan:
+        if self._plan is None:
+            plan = hf_parallel_plan(self._model())
+            assert plan is not None
+            self._plan = plan.prefixed("net")
+        return self._plan
+
+    def check_tied(self, *, tp: int = 1, pp: int = 1) -> None:
+        """One-line ``ValueError`` when tp/pp would untie the tied embeddings (see ``hf_plan.check_tied``)."""
+        check_tied(self._model(), tp=tp, pp=pp)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise the tensors ``module`` (a submodule of ``net`` or a copy of one) owns, as
+        ``from_config`` would (``hf_plan.hf_init_fn``)."""
+        if getattr(self, "_init", None) is None:  # from a pristine meta copy: the live net may be cut or wrapped
+            self._init = hf_init_fn(self.build_net("meta"))
+        self._init(module)
+
+    def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, self.seq_len, dtype=torch.long, device=device)
+
+    def state_dict_keys(self) -> list[str]:
+        return list(self._model().state_dict())
+
+
+def _current_device() -> torch.device:
+    """The device new tensors go to now (a ``torch.device`` context, e.g. meta, or the default)."""
+    with contextlib.suppress(Exception):
+        return torch.empty(()).device
+    return torch.device("cpu")

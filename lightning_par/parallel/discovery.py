@@ -1,0 +1,160 @@
+"""What the strategies need to know about a model, derived from any ``nn.Module``.
+
+``resolve_plan(module)`` is the one function that answers "where are this model's blocks, layers
+and tensor-parallel styles?". Rules, in order (the first that gives blocks wins; the summary's
+``units_rule`` says which):
+
+1. ``declared``: the model's own ``parallel_plan()`` (``parallel/contract.py``).
+2. ``hf_no_split_modules``: a Hugging Face ``PreTrainedModel`` anywhere inside the module (the module
+   itself, or an attribute of a user's LightningModule): its ``_no_split_modules`` give the blocks,
+   its tensor-parallel and pipeline plans the ``tp_plan`` and ``layers`` (``parallel/hf_plan.py``).
+3. ``repeated_children``: the children of the model's largest ``ModuleList``/``Sequential`` whose
+   children are all of one class (the transformer blocks of almost every model).
+4. ``size``: modules of at least 1/8 of the model's parameters (the smallest such subtrees;
+   FSDP1's size-based auto-wrap policy), so FSDP still overlaps communication.
+
+A declared plan without blocks (say, only a ``tp_plan``) gets its blocks from rules 2-4.
+Nothing here imports transformers: Hugging Face models are recognised by their attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from lightning_par.parallel.contract import InitsWeights, ParallelPlan, declared_plan
+
+RULES = ("declared", "hf_no_split_modules", "repeated_children", "size")
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    plan: ParallelPlan
+    units_rule: str  #: which rule chose ``plan.blocks`` (one of RULES)
+    source: str  #: where layers/tp_plan came from: "declared", "huggingface:<path>" or "none"
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """A Hugging Face ``PreTrainedModel`` (recognised by attributes, not by importing transformers)."""
+    return hasattr(module, "_no_split_modules") and hasattr(module, "config") and hasattr(module, "base_model_prefix")
+
+
+def find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost Hugging Face model inside ``module`` (path, model), or None."""
+    for path, sub in module.named_modules():
+        if is_hf_model(sub):
+            return path, sub
+    return None
+
+
+def repeated_children(module: nn.Module) -> list[str]:
+    """Paths of the children of the largest (by parameters) ModuleList/Sequential whose 2+ children
+    all have one class; [] when there is none."""
+    best: tuple[int, list[str]] = (0, [])
+    for path, sub in module.named_modules():
+        if not isinstance(sub, _CONTAINERS):
+            continue
+        children = list(sub.named_children())
+        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+            continue
+        size = sum(p.numel() for p in sub.parameters())
+        if size > best[0]:
+            best = (size, [f"{path}.{name}" if path else name for name, _ in children])
+    return best[1]
+
+
+def size_based_blocks(module: nn.Module, fraction: int = 8) -> list[str]:
+    """The smallest subtrees holding at least 1/``fraction`` of the parameters (never the root or a
+    container), in model order."""
+    minimum = max(1, sum(p.numel() for p in module.parameters()) // fraction)
+    units: list[str] = []
+
+    def visit(path: str, mod: nn.Module) -> int:
+        left = sum(p.numel() for p in mod.parameters(recurse=False))
+        for name, child in mod.named_children():
+            left += visit(f"{path}.{name}" if path else name, child)
+        if path and left >= minimum and not isinstance(mod, (*_CONTAINERS, nn.ModuleDict)):
+            units.append(path)
+            return 0
+        return left
+
+    visit("", module)
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    return sorted(units, key=order.__getitem__)
+
+
+def _hf_plan(module: nn.Module) -> tuple[ParallelPlan, str] | None:
+    found = find_hf_model(module)
+    if found is None:
+        return None
+    path, hf = found
+    from lightning_par.parallel.hf_plan import hf_parallel_plan
+
+    plan = hf_parallel_plan(hf)
+    return (plan.prefixed(path), f"huggingface:{path or '.'}") if plan is not None else None
+
+
+def resolve_plan(module: nn.Module) -> ResolvedPlan:
+    """The plan of ``module`` by the rules of the module docstring."""
+    plan = declared_plan(module)
+    if plan is not None and plan.blocks:
+        return ResolvedPlan(plan, "declared", "declared")
+    source = "declared" if plan is not None else "none"
+    hf = _hf_plan(module)
+    if hf is not None and plan is None:
+        plan, source = hf
+        if plan.blocks:
+            return ResolvedPlan(plan, "hf_no_split_modules", source)
+    plan = plan or ParallelPlan()
+    blocks = repeated_children(module)
+    if blocks:
+        return ResolvedPlan(replace(plan, blocks=tuple(blocks)), "repeated_children", source)
+    return ResolvedPlan(replace(plan, blocks=tuple(size_based_blocks(module))), "size", source)
+
+
+def init_groups(module: nn.Module, blocks: tuple[str, ...] | list[str]) -> list[str]:
+    """The groups in which a meta-device model is initialised: each block, then every other module
+    owning parameters or buffers itself, in model order. Depends only on the model (never on the
+    strategy), so the same seed gives the same weights under every strategy and world size."""
+    blocks = list(blocks)
+    inside = tuple(b + "." for b in blocks)
+    groups = list(blocks)
+    for path, sub in module.named_modules():
+        if path in blocks or path.startswith(inside):
+            continue
+        if any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False)):
+            groups.append(path)
+    return groups
+
+
+def init_fn_of(module: nn.Module) -> Callable[[nn.Module], None] | None:
+    """How to initialise one submodule's own tensors: the model's ``init_weights`` (contract), a
+    Hugging Face model's own init, or None (each submodule's ``reset_parameters()``)."""
+    if isinstance(module, InitsWeights):
+        return module.init_weights
+    found = find_hf_model(module)
+    if found is not None:
+        from lightning_par.parallel.hf_plan import hf_init_fn
+
+        return hf_init_fn(found[1])
+    return None
+
+
+def checkpointing_fn_of(module: nn.Module) -> Callable[[nn.Module], bool] | None:
+    """The model's own activation-checkpointing switch (Hugging Face's gradient checkpointing), as a
+    function of the module to apply it to that returns whether it applied; None when there is none."""
+    if find_hf_model(module) is None:
+        return None
+
+    def enable(target: nn.Module) -> bool:
+        found = find_hf_model(target)
+        if found is None:  # e.g. a pipeline stage holding only some decoder layers
+            return False
+        from lightning_par.parallel.hf_plan import hf_enable_checkpointing
+
+        return hf_enable_checkpointing(found[1])
+
+    return enable

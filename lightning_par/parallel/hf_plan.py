@@ -1,0 +1,371 @@
+"""What a Hugging Face ``PreTrainedModel`` already declares, read as a ``ParallelPlan`` and helpers.
+
+Duck-typed: nothing here imports ``transformers``; a model is recognised by its class hierarchy
+(``is_hf_model``). Every path is relative to the Hugging Face model; prefix it with
+``ParallelPlan.prefixed`` when the model sits inside another module. Read from the model:
+
+- ``blocks``: the submodules whose class is in ``_no_split_modules`` (the decoder layers), outermost
+  only: FSDP units and activation-checkpointing units.
+- ``tp_plan``: the model's own tensor-parallel plan (``model._tp_plan``: the head's entries plus the
+  config's ``base_model_tp_plan`` under ``base_model_prefix``), with Hugging Face's style names
+  translated to ours (``HF_STYLES``). A plan holding a style we do not implement (packed, local,
+  expert-parallel styles) is dropped whole -- half a plan would compute wrong results -- so tensor
+  parallelism then refuses the model as having no plan.
+- ``tp_divisible``: attention heads, key/value heads, MLP size and vocabulary from the config.
+- ``layers``: the pipeline cut points from ``base_model_pp_plan`` (the base model's parts in forward
+  order, a ``ModuleList`` expanded to its layers) followed by the head's ``_pp_plan``. Decoder layers
+  take rotary position embeddings as a keyword; ``hf_prepare_pipeline`` makes each layer compute
+  them itself when called with hidden states alone, which is how a pipeline stage calls it.
+
+Tied parameters (GPT-2's and ``tie_word_embeddings``' input/output embedding): ``tied_parameters``
+lists them and ``check_tied`` refuses the layouts that would silently untie them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from lightning_par.parallel.contract import ParallelPlan
+
+log = logging.getLogger(__name__)
+
+# Hugging Face tensor-parallel style -> ours (lightning_par.parallel.tensor_parallel.STYLES)
+HF_STYLES = {
+    "colwise": "colwise",  # q/k/v, gate/up: output features split
+    "rowwise": "rowwise",  # o, down: input features split, outputs all-reduced
+    "embedding_rowwise": "embedding",  # token table split by vocabulary rows
+    "colwise_gather_output": "output",  # LM head: vocabulary split, logits gathered
+    "sequence_parallel": "sequence_parallel",
+    "replicate": "replicate",
+}
+_PATH_TAG = "_lp_hf_path"  # survives copy.deepcopy: tells the init function where a module copy belongs
+
+
+def is_hf_model(module: object) -> bool:
+    """True for a ``transformers.PreTrainedModel`` (by class hierarchy, without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(module).__mro__)
+
+
+def find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost Hugging Face model inside ``module`` (itself included) and its path, or None."""
+    for path, sub in module.named_modules():
+        if is_hf_model(sub):
+            return path, sub
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+def hf_blocks(model: nn.Module) -> tuple[str, ...]:
+    """Paths of the outermost submodules whose class is in ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[str] = []
+    for path, sub in model.named_modules():
+        if path and type(sub).__name__ in names and not any(path.startswith(f + ".") for f in found):
+            found.append(path)
+    return tuple(found)
+
+
+def _full_tp_plan(model: nn.Module) -> dict[str, str]:
+    plan = getattr(model, "_tp_plan", None)
+    if plan:  # post_init has merged the head's and the prefixed base model's entries
+        return dict(plan)
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    head = getattr(type(model), "_tp_plan", None) or {}
+    return {**head, **{(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v for k, v in base.items()}}
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan in our style names; ``ValueError`` naming a style we lack."""
+    out = {}
+    for pattern, style in _full_tp_plan(model).items():
+        if style not in HF_STYLES:
+            raise ValueError(f"{type(model).__name__}'s tensor-parallel plan uses style {style!r} at {pattern!r}, "
+                             f"which lightning_par does not implement (supported: {', '.join(HF_STYLES)})")
+        out[pattern] = HF_STYLES[style]
+    return out
+
+
+def hf_tp_divisible(model: nn.Module) -> dict[str, int]:
+    """Sizes a tensor-parallel degree must divide, from the config (those it defines)."""
+    cfg = getattr(model, "config", None)
+    keys = {"num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads",
+            "intermediate_size": "MLP size", "n_inner": "MLP size", "vocab_size": "vocab_size"}
+    out: dict[str, int] = {}
+    for key, label in keys.items():
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            out.setdefault(label, value)
+    return out
+
+
+def hf_layers(model: nn.Module) -> tuple[str, ...]:
+    """Pipeline cut points from ``base_model_pp_plan`` + the head's ``_pp_plan``; () without one."""
+    cfg = getattr(model, "config", None)
+    base = getattr(cfg, "base_model_pp_plan", None) or {}
+    head = getattr(type(model), "_pp_plan", None) or {}
+    if not base:
+        return ()
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model else ""
+    layers: list[str] = []
+    for name in [prefix + k for k in base] + list(head):
+        sub = model.get_submodule(name)
+        if isinstance(sub, (nn.ModuleList, nn.Sequential)):
+            layers.extend(f"{name}.{i}" for i in range(len(sub)))
+        else:
+            layers.append(name)
+    return tuple(layers)
+
+
+def hf_parallel_plan(model: nn.Module) -> ParallelPlan | None:
+    """The ``ParallelPlan`` a Hugging Face model declares (paths relative to it); None for others."""
+    if not is_hf_model(model):
+        return None
+    try:
+        tp_plan = hf_tp_plan(model)
+    except ValueError as e:
+        log.warning("%s; tensor parallelism is unavailable for this model", e)
+        tp_plan = {}
+    return ParallelPlan(layers=hf_layers(model), blocks=hf_blocks(model), tp_plan=tp_plan,
+                        tp_divisible=hf_tp_divisible(model) if tp_plan else {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Tied parameters
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """Pairs ``(first name, other name)`` of parameter names that share one ``Parameter`` object."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            pairs.append((first[id(p)], name))
+        else:
+            first[id(p)] = name
+    return pairs
+
+
+def declared_ties(model: nn.Module) -> list[tuple[str, str]]:
+    """Pairs ``(source, target)`` the model says must share a parameter (``all_tied_weights_keys``),
+    whether or not they currently do (a model materialised with ``to_empty`` has lost its ties)."""
+    found = find_hf_model(model)
+    if found is None:
+        return []
+    path, hf = found
+    keys = getattr(hf, "all_tied_weights_keys", None) or {}
+    p = f"{path}." if path else ""
+    return [(p + src, p + dst) for dst, src in keys.items()]
+
+
+def retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Make every ``target`` parameter the ``source`` one again (after ``to_empty``, which unties)."""
+    for src, dst in pairs:
+        param = model.get_parameter(src)
+        owner, _, leaf = dst.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, param)
+
+
+def check_tied(model: nn.Module, *, tp: int = 1, pp: int = 1) -> None:
+    """Raise a one-line ``ValueError`` if a layout would silently untie ``model``'s tied parameters.
+
+    Tensor parallelism shards the embedding and the LM head as two separate modules (each gets its
+    own DTensor parameter), and a pipeline puts the embedding on the first stage and the head on the
+    last: either would train two diverging copies. Data-parallel strategies keep ties (checked by
+    the tests for ddp, zero1, zero2, zero3/fsdp/hsdp: FSDP2 shards a shared parameter once when both
+    uses are in the same unit, here the root).
+    """
+    pairs = tied_parameters(model) or declared_ties(model)
+    if not pairs:
+        return
+    names = f"{pairs[0][0]} and {pairs[0][1]}"
+    if tp > 1:
+        raise ValueError(f"{type(model).__name__} ties {names}; tensor parallelism (tp={tp}) would untie them -- "
+                         "build the model with tie_word_embeddings=false or use tp=1")
+    if pp > 1:
+        raise ValueError(f"{type(model).__name__} ties {names}; a pipeline (pp={pp}) puts them on different "
+                         "stages -- build the model with tie_word_embeddings=false or use pp=1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation
+
+
+def tag_paths(model: nn.Module) -> None:
+    """Record every submodule's path on it (copies made later with ``copy.deepcopy`` keep it)."""
+    for path, sub in model.named_modules():
+        setattr(sub, _PATH_TAG, path)
+
+
+@contextlib.contextmanager
+def _frozen(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Mark tensors as initialised for Hugging Face's guarded ``transformers.initialization`` functions."""
+    marked = [t for t in tensors if not getattr(t, "_is_hf_initialized", False)]
+    for t in marked:
+        t._is_hf_initialized = True
+    try:
+        yield
+    finally:
+        for t in marked:
+            del t._is_hf_initialized
+
+
+def hf_init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
+    """A function initialising exactly the parameters and buffers a submodule of ``model`` owns, with the
+    values' distribution ``from_config`` gives them.
+
+    Hugging Face initialises bottom-up (children, then parents) with the model's ``_init_weights``,
+    and a parent's rule may overwrite a child's parameter (GPT-2 rescales ``c_proj`` in its attention
+    and MLP). So for a module the function runs ``_init_weights`` on the module, then on each of its
+    ancestors (nearest first), with every tensor the module does not own marked as initialised (the
+    guard Hugging Face's own init functions honour): the result does not depend on the order in which
+    submodules are visited, and called bottom-up on a whole model it repeats ``from_config`` draw for
+    draw. A tied target (``lm_head.weight``) still sharing its source's tensor is left to the source,
+    as Hugging Face does; an untied copy of it (a module copied on its own) is initialised. Rotary
+    ``inv_freq`` buffers (non-persistent, garbage after ``to_empty``) are recomputed by the same rule.
+
+    ``module`` may be a submodule of ``model`` or a ``copy.deepcopy`` of one made after this call
+    (the path is recorded on every submodule); ``model`` itself may live on the meta device.
+    """
+    tag_paths(model)
+    found = find_hf_model(model)
+    if found is None:
+        raise ValueError(f"hf_init_fn: {type(model).__name__} contains no Hugging Face model")
+    ties = {dst: src for src, dst in declared_ties(model)}
+
+    def is_tied_target(path: str, name: str, t: torch.Tensor) -> bool:
+        src = ties.get(f"{path}.{name}" if path else name)
+        return src is not None and model.get_parameter(src) is t  # still tied: its source sets it
+
+    def init(module: nn.Module) -> None:
+        path = getattr(module, _PATH_TAG, None)
+        if path is None:
+            raise ValueError(f"init_weights: this {type(module).__name__} is not a submodule of the model the "
+                             "init function was made for (call hf_init_fn(model) before copying modules)")
+        owned = [t for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+                 if t is not None and not is_tied_target(path, name, t)]
+        if not owned:
+            return
+        owned_ids = {id(t) for t in owned}
+        parts = path.split(".") if path else []
+        chain = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]  # the module, then its ancestors
+        for anc_path in chain:
+            anc = module if anc_path == path else model.get_submodule(anc_path)
+            hf_owner = _nearest_hf(model, anc_path)
+            with _swapped(model, path, module), torch.no_grad():
+                others = [t for t in [*anc.parameters(), *anc.buffers()] if id(t) not in owned_ids]
+                with _frozen(others):
+                    hf_owner._init_weights(anc)
+
+    return init
+
+
+def _nearest_hf(model: nn.Module, path: str) -> nn.Module:
+    parts = path.split(".") if path else []
+    for i in range(len(parts), -1, -1):
+        sub = model.get_submodule(".".join(parts[:i]))
+        if is_hf_model(sub):
+            return sub
+    raise ValueError(f"no Hugging Face model above {path!r}")
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, path: str, module: nn.Module) -> Iterator[None]:
+    """Temporarily put ``module`` (a copy) at ``path`` of ``model`` so ancestors' rules reach it."""
+    if not path or model.get_submodule(path) is module:
+        yield
+        return
+    owner_path, _, leaf = path.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    original = owner._modules[leaf]
+    owner._modules[leaf] = module
+    try:
+        yield
+    finally:
+        owner._modules[leaf] = original
+
+
+def hf_init_all(model: nn.Module, init: Callable[[nn.Module], None] | None = None) -> None:
+    """Initialise every submodule of ``model`` bottom-up (Hugging Face's order) and restore its ties."""
+    init = init or hf_init_fn(model)
+    for sub in reversed(list(model.modules())):
+        init(sub)
+    retie(model, declared_ties(model))
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing and pipeline stages
+
+
+def hf_enable_checkpointing(model: nn.Module) -> bool:
+    """Switch on the Hugging Face model's own activation checkpointing (non-reentrant) for every Hugging
+    Face model inside ``model``; False when there is none or it does not support it."""
+    found = find_hf_model(model)
+    if found is None or not getattr(found[1], "supports_gradient_checkpointing", False):
+        return False
+    hf = found[1]
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return True
+
+
+def hf_prepare_pipeline(model: nn.Module) -> int:
+    """Let each block of a Hugging Face model run on hidden states alone, as a pipeline stage calls it.
+
+    A decoder layer takes the rotary ``position_embeddings`` (cos, sin) from its base model's forward.
+    A forward pre-hook on each block computes them when they are missing, for positions
+    ``0..T-1``, with a rotary module of the block's own class built from the model's config (the same
+    function of the config as the model's own, so a cut model computes what the whole one does).
+    Blocks without that keyword (GPT-2) are left alone. Attention masks are not needed: without one,
+    SDPA attention is causal, which is what the whole model uses for unpadded batches. Idempotent;
+    returns the number of blocks hooked.
+    """
+    found = find_hf_model(model)
+    if found is None:
+        return 0
+    hf = found[1]
+    rotary = next((m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        return 0
+    cfg = hf.config
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    cache: dict[torch.device, nn.Module] = {}
+
+    def position_embeddings(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if kwargs.get("position_embeddings") is not None:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        t = hidden.shape[1]
+        if window and t > window:
+            raise ValueError(f"pipeline stage: sequence length {t} exceeds the sliding window {window}, which needs "
+                             "the model's own attention mask; use sequences <= the window")
+        device = hidden.device
+        if device not in cache:
+            with torch.device("cpu"):
+                cache[device] = type(rotary)(config=cfg).to(device if device.type != "meta" else "cpu")
+        positions = torch.arange(t, device=device).unsqueeze(0)
+        return args, {**kwargs, "position_embeddings": cache[device](hidden, position_ids=positions)}
+
+    count = 0
+    for path in hf_blocks(hf):
+        block = hf.get_submodule(path)
+        if getattr(block, "_lp_pipeline_hook", False):
+            count += 1
+            continue
+        block.register_forward_pre_hook(position_embeddings, with_kwargs=True)
+        block._lp_pipeline_hook = True
+        count += 1
+    return count

@@ -1,0 +1,124 @@
+"""Deferred initialisation: a model built on the meta device gets real weights only where it must.
+
+Big models are built on ``torch.device("meta")`` (shapes only, no memory), cut, split and sharded
+there, and only then materialised: ``to_empty`` allocates this rank's *local* tensors (its FSDP
+shards, its TP slices, its pipeline stages' layers), and the values come from the model's own
+initialisation.
+
+Why not simply call ``reset_parameters()`` on the sharded module (what Lightning's and torch's
+materialisation helpers do)? Because the weights would then depend on the layout: a random init
+of a 1/N shard is not the 1/N slice of the single-device init, so loss parity with the one-device
+run would be lost from step 0. Here the weights are a function of the model and the seed only:
+
+- the model is split into *init groups* (``discovery.init_groups``: its blocks, then every other
+  module owning tensors), which depend only on the model;
+- each group is built on the host from a meta copy taken before any technique touched the model,
+  seeded with ``hash(seed, group path)``, and initialised by the model's own rule
+  (``init_weights(submodule)`` of the contract, a Hugging Face model's ``_init_weights``, else each
+  submodule's ``reset_parameters()``);
+- every rank then keeps only its slice of each tensor (``distribute_tensor`` with
+  ``src_data_rank=None``: no communication, each rank slices its identical copy).
+
+So host memory holds at most one group's full tensors at a time, beside the local shards. DTensor's
+own RNG tracker would avoid even that, but its values depend on the sharding.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+InitFn = Callable[[nn.Module], None]
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the unwrapped model (wrapper path components removed)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def group_seed(seed: int, path: str) -> int:
+    return zlib.crc32(f"{seed}:{path}".encode()) & 0x7FFF_FFFF
+
+
+def capture_templates(module: nn.Module, groups: Iterable[str]) -> dict[str, nn.Module]:
+    """Meta copies of the init groups, taken before techniques replace or wrap their tensors."""
+    out = {}
+    for path in groups:
+        sub = module.get_submodule(path) if path else module
+        if path == "":  # the root's own tensors only: a shallow module holding just those
+            shell = nn.Module()
+            for name, p in sub.named_parameters(recurse=False):
+                shell.register_parameter(name, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+            for name, b in sub.named_buffers(recurse=False):
+                shell.register_buffer(name, torch.empty_like(b, device="meta"))
+            out[path] = shell
+        else:
+            out[path] = copy.deepcopy(sub)
+    return out
+
+
+def default_init(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, *, device: torch.device, templates: dict[str, nn.Module], seed: int,
+                init_fn: InitFn | None = None) -> int:
+    """Allocate ``module``'s local tensors on ``device`` and fill them from the seeded group inits.
+
+    ``module`` may be sharded (FSDP2, DTensor TP) or hold only some groups (a pipeline rank);
+    groups with no tensor on this rank are skipped without being built. Returns the number of
+    tensors filled; raises if a local tensor got no value.
+    """
+    init = init_fn or default_init
+    module.to_empty(device=device)
+    targets: dict[str, torch.Tensor] = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        targets[canonical_name(name)] = t
+    filled: set[str] = set()
+    for path, template in templates.items():
+        prefix = f"{path}." if path else ""
+        names = [prefix + n for n, _ in [*template.named_parameters(), *template.named_buffers()]]
+        if not any(n in targets for n in names):
+            continue  # lives on another pipeline rank
+        host = template.to_empty(device="cpu")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(group_seed(seed, path))
+            for sub in host.modules():
+                init(sub)
+        for name, full in [*host.named_parameters(), *host.named_buffers()]:
+            key = prefix + name
+            if key in targets:
+                _copy_local(targets[key], full)
+                filled.add(key)
+        del host
+        templates[path] = template.to("meta")  # release the host copy
+    missing = sorted(set(targets) - filled)
+    if missing:
+        raise RuntimeError(f"materialize: no init group covers {missing[:3]}; its tensors would stay uninitialised")
+    return len(filled)
+
+
+def _copy_local(target: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(target, DTensor):
+        piece = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(piece.to_local())
+    else:
+        target.copy_(full)

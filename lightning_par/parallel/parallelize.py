@@ -1,0 +1,131 @@
+"""The one place where techniques are applied to a model, in one order (torchtitan's ``parallelize_*``).
+
+Every strategy and every pipeline stage goes through ``parallelize(module, spec)``:
+
+0. remember how to initialise the model (meta copies of its init groups, ``materialize.py``), or,
+   for a model built with real tensors, move it to the device;
+1. cut pipeline stages (``spec.cut``: keeps this rank's stages, drops the other layers);
+2. tensor parallel on each stage (or the whole model);
+3. activation checkpointing of the blocks present;
+4. compilation of each block (``module.compile()`` in place: state-dict keys do not change);
+5. FSDP2 ``fully_shard`` (units, then the stage/model root);
+6. materialise: allocate only this rank's local tensors and fill them with the model's own,
+   layout-independent initialisation.
+
+DDP wrapping and the optimizer come after, in the strategy (Lightning's DDP wrapper broadcasts
+rank 0's parameters when it is built, so it needs materialised parameters; optimizers need the final
+parameters). Each step is a plain-torch function of its own module; this function only fixes the
+order and decides what each step sees.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.discovery import ResolvedPlan, init_groups
+from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
+from lightning_par.parallel.materialize import InitFn, capture_templates, has_meta_tensors, materialize
+from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    mesh: DeviceMesh
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class FullyShard:
+    mesh: DeviceMesh
+    #: module paths, a class name or a minimum parameter count (``fsdp.resolve_units``), resolved when
+    #: FSDP is applied; None: the plan's blocks present in the module
+    units: str | int | Sequence[str] | None = None
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    cpu_offload: bool = False
+    prefetch: int = 1
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """What to apply; ``None``/``False`` skips a step."""
+
+    device: torch.device
+    plan: ResolvedPlan
+    seed: int = 0
+    init_fn: InitFn | None = None
+    #: step 1: takes the whole model, returns this rank's stage modules (sharing its submodules)
+    cut: Callable[[nn.Module], list[nn.Module]] | None = None
+    tensor_parallel: TensorParallel | None = None
+    activation_checkpointing: bool = False
+    #: step 3 for models with their own mechanism (Hugging Face ``gradient_checkpointing_enable``)
+    own_checkpointing: Callable[[nn.Module], bool] | None = None
+    compile: bool = False
+    compile_kwargs: dict[str, Any] = field(default_factory=dict)
+    fully_shard: FullyShard | None = None
+
+
+def _blocks_in(module: nn.Module, root: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The plan's blocks (paths in ``root``) that lie in ``module``, as paths relative to ``module``."""
+    if module is root:
+        return [b for b in blocks if _exists(root, b)]
+    where = {id(m): p for p, m in module.named_modules()}
+    return [where[id(root.get_submodule(b))] for b in blocks if _exists(root, b) and id(root.get_submodule(b)) in where]
+
+
+def _exists(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
+    """Apply ``spec`` to ``module`` in the order of the module docstring; returns the stage modules
+    of this rank (``[module]`` without a pipeline)."""
+    plan = spec.plan.plan
+    deferred = has_meta_tensors(module)
+    templates = capture_templates(module, init_groups(module, plan.blocks)) if deferred else None
+    if not deferred:
+        module.to(spec.device)
+
+    stages = spec.cut(module) if spec.cut is not None else [module]                      # 1. pipeline cut
+    for stage in stages:
+        if spec.tensor_parallel is not None:                                             # 2. tensor parallel
+            tp = spec.tensor_parallel
+            # a pipeline stage registers its layers under their full paths: the plan's patterns fit as they are
+            apply_tensor_parallel(stage, tp_mesh=tp.mesh, plan=plan.tp_plan,
+                                  sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
+                                  divisible=plan.tp_divisible, strict=spec.cut is None)
+        blocks = _blocks_in(stage, module, plan.blocks)
+        if spec.activation_checkpointing:                                                # 3. checkpointing
+            if spec.own_checkpointing is None or not spec.own_checkpointing(stage):
+                apply_activation_checkpointing(stage, blocks=blocks)
+        if spec.compile:                                                                 # 4. compile
+            for path in blocks:
+                stage.get_submodule(path).compile(**spec.compile_kwargs)
+        if spec.fully_shard is not None:                                                 # 5. FSDP
+            fs = spec.fully_shard
+            units = blocks if fs.units is None else resolve_units(stage, fs.units if isinstance(fs.units, (str, int))
+                                                                  else list(fs.units))
+            apply_fsdp(stage, mesh=fs.mesh, units=units, reshard_after_forward=fs.reshard_after_forward,
+                       param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
+                       prefetch=fs.prefetch)
+    if templates is not None:                                                            # 6. materialise
+        n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn)
+        log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
+    return stages
+

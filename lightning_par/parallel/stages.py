@@ -1,0 +1,94 @@
+"""Cutting a model into pipeline stages inside its LightningModule (plain torch).
+
+A pipeline rank keeps the layers of its stages; every other layer of the model's declared
+``layers`` is replaced by a parameter-free ``RemoteLayer``, so ``configure_optimizers``, the
+module's ``state_dict`` and the materialisation of a meta-device model see only this rank's part,
+under the full model's names. Where to cut: explicit split points, or balanced costs (parameter
+counts, or measured forward + backward time per layer).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RemoteLayer(nn.Module):
+    """Stands in, inside this rank's LightningModule, for a layer that lives on another pipeline rank."""
+
+    def __init__(self, path: str, stage: int) -> None:
+        super().__init__()
+        self.path, self.stage = path, stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"layer {self.path!r} lives on pipeline stage {self.stage} (another rank); "
+                           "run the model through the pipeline strategy's training/validation step")
+
+    def extra_repr(self) -> str:
+        return f"{self.path} -> stage {self.stage}"
+
+
+def _replace_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    parent._modules[leaf] = new
+
+
+def resolve_split_points(layers: Sequence[str], split_points: Sequence[int | str], n_stages: int) -> list[int]:
+    """Stage boundaries ``[0, ..., len(layers)]`` from split points: the first layer of every stage
+    after the first, as an index into ``layers`` or a layer path (``net.blocks.4``; the unique layer
+    ending in ``.blocks.4`` also matches ``blocks.4``)."""
+    layers = list(layers)
+    cuts = []
+    for point in split_points:
+        if isinstance(point, int) and not isinstance(point, bool):
+            cuts.append(point)
+            continue
+        name = str(point)
+        matches = [i for i, path in enumerate(layers) if path == name] or \
+                  [i for i, path in enumerate(layers) if path.endswith("." + name)]
+        if len(matches) != 1:
+            raise ValueError(f"split point {name!r} is not one of the model's layers ({', '.join(layers)})")
+        cuts.append(matches[0])
+    if len(cuts) != n_stages - 1:
+        raise ValueError(f"split_points: {n_stages} pipeline stages need {n_stages - 1} split points, got {len(cuts)}")
+    bounds = [0, *cuts, len(layers)]
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"split_points must be increasing layer indices between 1 and {len(layers) - 1}, got {cuts}")
+    return bounds
+
+
+def measure_layer_times(module: nn.Module, layers: Sequence[str], example: torch.Tensor,
+                        repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward of every layer on ``example`` (median of ``repeats`` runs after a
+    warm-up), layer by layer: the costs for a compute-balanced pipeline cut."""
+    times: list[list[float]] = [[] for _ in layers]
+    sync = torch.cuda.synchronize if example.device.type == "cuda" else (lambda: None)
+    for run in range(repeats + 1):
+        h = example
+        for i, path in enumerate(layers):
+            x = h.detach().requires_grad_() if h.is_floating_point() else h
+            sync()
+            start = time.perf_counter()
+            out = module.get_submodule(path)(x)
+            out.float().sum().backward()
+            sync()
+            if run:
+                times[i].append(time.perf_counter() - start)
+            h = out.detach()
+    module.zero_grad(set_to_none=True)
+    return [statistics.median(t) for t in times]
+
+
+
+
+def drop_remote_layers(module: nn.Module, layers: Sequence[str], local: set[str], owner: dict[str, int]) -> None:
+    """Replace every layer in ``layers`` that is not in ``local`` by a ``RemoteLayer`` naming its stage."""
+    for path in layers:
+        if path not in local:
+            _replace_submodule(module, path, RemoteLayer(path, owner[path]))

@@ -1,0 +1,142 @@
+"""Running a pipeline schedule (and loss-parallel TP) inside Lightning's training loop.
+
+Lightning's automatic optimization runs, per batch, ``training_step`` -> ``zero_grad`` (first
+batch of an accumulation window) -> ``backward``. A pipeline schedule runs forward *and* backward
+of all micro-batches in one call, so here ``training_step`` runs the schedule and returns the
+(detached) mean micro-batch loss, the same on every pipeline rank, which it also logs as
+``train/loss``. The gradients it produced are set aside before Lightning's ``zero_grad`` and handed
+back to the parameters in ``backward`` -- which runs no autograd of its own, only the hooks around
+it -- so clipping, ``on_after_backward`` and the optimizer see them as usual. Loss scaling: torch's
+schedule would divide *all* gradients by the number of micro-batches after every call (wrong under
+gradient accumulation), so it is switched off and each micro-batch loss is scaled by
+``1 / (n_microbatches * accumulate_grad_batches)`` instead. ``validation_step`` runs the
+forward-only schedule and logs ``val/loss``.
+
+With ``loss_parallel`` (tensor parallel), the strategy runs the forward and the model's
+``loss_fn`` itself on vocabulary-sharded logits, inside torch's ``loss_parallel()`` context.
+
+Gradient clipping uses the norm of the whole model's gradient (``parallel/gradients.py``).
+``MeshParallelStrategy`` (``composite.py``) mixes this in; ``PipelineStrategy`` is its
+pipeline-only preset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_par.parallel.contract import loss_fn_of
+from lightning_par.parallel.gradients import average_gradients, clip_grad_norm_
+from lightning_par.parallel.pipeline import Pipeline
+from lightning_par.parallel.tensor_parallel import loss_parallel_context
+
+
+class PipelineLoopMixin:
+    """Lightning-loop plumbing for ``MeshParallelStrategy`` (see the module docstring)."""
+
+    _pipeline: Pipeline | None = None
+    _loss_scale: float = 1.0
+    _pending_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+    loss_parallel: bool = False
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn_of(self.lightning_module)(output, target) * self._loss_scale
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_training_step(args[0], args[1])
+        if self.loss_parallel:
+            return self._loss_parallel_step(args[0], "train/loss")
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            x, y = args[0]
+            with self.precision_plugin.val_step_context():
+                loss = self._pipeline.eval_step(x, y) / self._loss_scale
+            self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
+            return loss
+        if self.loss_parallel:
+            return self._loss_parallel_step(args[0], "val/loss")
+        return super().validation_step(*args, **kwargs)
+
+    def _pipeline_training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        pipe, module = self._pipeline, self.lightning_module
+        assert pipe is not None and module is not None
+        x, y = batch
+        params = [p for p in module.parameters() if p.requires_grad]
+        first = batch_idx % max(1, self.lightning_module.trainer.accumulate_grad_batches) == 0
+        if first:  # last step's gradients: Lightning zeroes them right after this hook anyway
+            for p in params:
+                p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = pipe.step(x, y) / self._loss_scale  # forward + backward of every micro-batch
+        if first:  # set aside from Lightning's zero_grad; backward() hands them back
+            self._pending_grads = [(p, p.grad) for p in params]
+            for p in params:
+                p.grad = None
+        module.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def _loss_parallel_step(self, batch: Any, name: str) -> torch.Tensor:
+        """Forward, then the model's loss on vocabulary-sharded logits (no gather of the logits)."""
+        module = self.lightning_module
+        x, y = batch
+        context = self.precision_plugin.train_step_context() if name.startswith("train") \
+            else self.precision_plugin.val_step_context()
+        with context:
+            out = module(x)
+            with loss_parallel_context(True):
+                loss = loss_fn_of(module)(out, y)
+                if isinstance(loss, DTensor):
+                    loss = loss.full_tensor()
+        module.log(name, loss.detach(), prog_bar=True, sync_dist=name.startswith("val"))
+        return loss
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._pipeline is not None:
+            # the schedule already ran backward inside training_step: hand its gradients over
+            for p, g in self._pending_grads:
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+            self._pending_grads = []
+        else:
+            with loss_parallel_context(self.loss_parallel):
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        dims = self.parallel_dims
+        if dims.dp_replicate > 1:
+            # averaging the whole accumulated gradient after every backward is exact: the part
+            # averaged before is already equal on every replica
+            average_gradients(module.parameters(), self.device_mesh["dp_replicate"].get_group())
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _use_global_norm_clipping(self) -> None:
+        """Make Lightning's norm clipping (``gradient_clip_val``) use the whole model's norm. Lightning
+        calls the precision plugin's ``clip_grad_by_norm``; this strategy owns that plugin instance."""
+        pp_group = self.device_mesh["pp"].get_group() if self.parallel_dims.pp > 1 else None
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_group=pp_group)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def teardown(self) -> None:
+        self._pipeline = None
+        self._pending_grads = []
+        super().teardown()
+
