@@ -42,6 +42,14 @@ def root_error(exc: BaseException) -> BaseException:
 def one_line(exc: BaseException, limit: int = 500) -> str:
     """The exception's message on one line (its lines joined, at most ``limit`` characters; the class
     name when there is no message)."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        # torch.distributed.checkpoint's message is every failed rank's traceback; say what each rank hit
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(inner).__name__}: {one_line(inner, limit)}")
+        exc = Exception("; ".join(parts))
     line = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip()) or type(exc).__name__
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -86,3 +94,79 @@ def record_failure(exc: BaseException, output_dir: str | os.PathLike | None = No
         return None
     return path
 
+
+
+def clear_failure(output_dir: str | os.PathLike) -> None:
+    """Remove a stale ``error.json`` (e.g. of a torchrun attempt that died before a restart finished
+    the run): called once the run has succeeded."""
+    try:
+        (Path(output_dir) / ERROR_FILE).unlink()
+    except FileNotFoundError:
+        pass
+
+
+# ----------------------------------------------------------------------------------- run directory
+LOCK_FILE = ".lightning_par.lock"
+
+
+class RunDirInUse(RuntimeError):
+    """Another live run holds the run directory."""
+
+
+class RunDirLock:
+    """Exclusive claim of a run directory for the lifetime of one run.
+
+    The lock is ``fcntl.flock`` on ``<run dir>/.lightning_par.lock``: the kernel grants it to one
+    open file at a time and drops it when its holder exits, however it exits -- so a lock left by a
+    dead process (SIGKILL, a crashed node's torchrun attempt) is simply taken over, with no
+    pid-liveness guessing and no race between two runs that both find a stale file. The file's
+    content (pid, host, start time) only serves the refusal message. The descriptor is not
+    inherited by child processes (Python opens files close-on-exec).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        import fcntl
+        import socket
+        import time
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirInUse(f"run directory {self.path.parent} is in use by another run ({holder}); "
+                              "pick another hydra.run.dir or wait for it to finish") from None
+        except OSError as e:  # a file system without locks: say so rather than run unprotected
+            os.close(fd)
+            raise RunDirInUse(f"cannot lock run directory {self.path.parent}: {e.strerror}") from None
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        # the file stays: unlinking it would let a run that opened it just before acquire a dead inode
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        rec = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {rec['pid']} on {rec['host']}, started {rec['started']}"
+    except (OSError, ValueError, KeyError):
+        return "holder unknown"

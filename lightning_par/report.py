@@ -1,8 +1,8 @@
 """Turn a sweep into one page: a markdown table of every run and PNG plots.
 
-    python experiments/report.py SWEEP_DIR [--out DIR]
+    lightning-par-report SWEEP_DIR [--out DIR]          (or python -m lightning_par.report)
 
-Reads every ``summary.json`` under SWEEP_DIR (the run summary of DESIGN.md) and every ``error.json``
+Reads every ``summary.json`` under SWEEP_DIR (the run summary, see the README) and every ``error.json``
 (left by failed jobs, see ``lightning_par/jobs.py``) and writes into DIR (default: SWEEP_DIR):
 
 - ``report.md``: one row per run (strategy, world size, mesh, parameters, precision, global batch,
@@ -17,7 +17,8 @@ Reads every ``summary.json`` under SWEEP_DIR (the run summary of DESIGN.md) and 
   micro-batches, with the theory curve (p-1)/(m+p-1) for each pipeline depth p.
 
 A plot without data is skipped, not drawn empty. Summaries are read defensively: missing keys and
-nulls show as "-".
+nulls show as "-". Failed jobs do not stop the report: it exits 0 whenever it could write report.md
+(a plot that cannot be drawn, or matplotlib missing, is named in report.md and on stderr instead).
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 def render_markdown(sweep_dir: str | Path, runs: Sequence[Run], failures: Sequence[Failure],
-                    images: dict[str, str]) -> str:
+                    images: dict[str, str], plot_problems: Sequence[str] = ()) -> str:
     out = [f"# Sweep report: `{sweep_dir}`", "",
            f"{len(runs)} run(s) with a summary, {len(failures)} failed job(s).", ""]
     if runs:
@@ -262,8 +263,9 @@ def render_markdown(sweep_dir: str | Path, runs: Sequence[Run], failures: Sequen
     else:
         out.append("None.")
     out.append("")
-    if images:
+    if images or plot_problems:
         out += ["## Plots", ""]
+        out += [f"- not drawn: {p}" for p in plot_problems] + ([""] if plot_problems else [])
         for name, file in images.items():
             out += [f"### {name}", "", f"![{name}]({file})", ""]
     return "\n".join(out)
@@ -472,14 +474,33 @@ def build_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
     out = Path(out_dir) if out_dir is not None else sweep_dir
     out.mkdir(parents=True, exist_ok=True)
     runs, failures = collect(sweep_dir)
+    images, problems = draw_plots(runs, out)
+    for p in problems:
+        print(f"warning: plot not drawn: {p}", file=sys.stderr)
+    report = out / "report.md"
+    report.write_text(render_markdown(sweep_dir, runs, failures, images, problems))
+    return report, runs, failures
+
+
+def draw_plots(runs: Sequence[Run], out: Path) -> tuple[dict[str, str], list[str]]:
+    """Every plot that has data: ``{title: file}``, and one line per plot that could not be drawn. The
+    table is the report's substance, so a plot that fails (or a missing matplotlib, an optional
+    dependency: ``pip install 'lightning_par[plots]'``) is reported, not allowed to lose the table."""
+    try:
+        _pyplot()
+    except ImportError as e:
+        return {}, [f"all plots: {e} (pip install 'lightning_par[plots]')"]
     images: dict[str, str] = {}
+    problems: list[str] = []
     for title, fn in PLOTS:
-        name = fn(runs, out)
+        try:
+            name = fn(runs, out)
+        except Exception as e:  # noqa: BLE001 -- see the docstring
+            problems.append(f"{title}: {type(e).__name__}: {e}")
+            continue
         if name:
             images[title] = name
-    report = out / "report.md"
-    report.write_text(render_markdown(sweep_dir, runs, failures, images))
-    return report, runs, failures
+    return images, problems
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -492,11 +513,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not sweep.is_dir():
         print(f"error: {sweep} is not a directory", file=sys.stderr)
         return 2
-    report, runs, failures = build_report(sweep, args.out)
-    if not runs and not failures:
+    if not any(sweep.rglob(SUMMARY_FILE)) and not any(sweep.rglob(ERROR_FILE)):
         print(f"error: no {SUMMARY_FILE} or {ERROR_FILE} under {sweep}", file=sys.stderr)
         return 1
+    report, runs, failures = build_report(sweep, args.out)
     print(f"{len(runs)} run(s), {len(failures)} failed job(s) -> {report}")
+    for f in failures:
+        print(f"  failed: {f.job}: {f.type or 'error'}: {f.error}")
     return 0
 
 

@@ -1,0 +1,236 @@
+"""The ``lightning-par`` command (also ``python -m lightning_par`` and ``python run.py``): one Hydra app
+over the configs shipped in the package (``lightning_par/conf``, searched as ``pkg://lightning_par.conf``).
+
+    lightning-par                                        # small GPT on stdlib text, one device
+    lightning-par strategy=ddp trainer.devices=2         # 2 processes (gloo on CPU, NCCL on GPU)
+    lightning-par -m strategy=single,ddp trainer.devices=2   # sweep: one output dir per job
+    lightning-par mode=estimate model=gpt2_xl trainer.devices=64   # memory table, no training
+    lightning-par 'hydra.searchpath=[file:///my/conf]' logger=my_logger   # configs of your own
+    torchrun --nproc-per-node=2 --max-restarts=3 -m lightning_par strategy=ddp callbacks=checkpoint ckpt_path=auto
+
+Every run writes summary.json (see README) into its Hydra output directory; a failed job writes
+error.json there instead (``lightning_par/jobs.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import hydra
+from hydra.errors import CompactHydraException
+from omegaconf import DictConfig
+
+from lightning_par import ConfigError
+
+CONFIG_PATH = "pkg://lightning_par.conf"
+CONFIG_NAME = "config"
+
+
+class JobFailed(CompactHydraException):
+    """Hands a failed sweep job back to Hydra. Hydra's launcher only records ``Exception``s as failed
+    jobs (a ``BaseException`` such as torch's ``CheckpointException`` would end the whole sweep), and a
+    ``CompactHydraException`` is printed as its one-line message at the end of the sweep, not as a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# checks before Hydra starts
+
+
+def _hydra_args(argv: list[str]):
+    """The command line as Hydra's own parser reads it; None where it cannot (Hydra then says why)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]  # argparse would print usage and exit
+    try:
+        return parser.parse_args(argv)
+    except ValueError:
+        return None
+
+
+def _option_lister(args):
+    """``group -> available config names``, over the same search path Hydra will use: the package's
+    configs, ``--config-dir``/``--config-path``, search-path plugins, ConfigStore entries and every
+    ``hydra.searchpath`` entry (command line or primary config)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import compute_search_path_dir, create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+
+    search_path = create_config_search_path(compute_search_path_dir(None, __name__, args.config_path or CONFIG_PATH))
+    if args.config_dir is not None:
+        search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(args.config_dir)}",
+                            anchor=SearchPathQuery(provider="schema"))
+    loader = ConfigLoaderImpl(config_search_path=search_path)
+    searchpath_overrides = [o for o in args.overrides if o.lstrip("+~").startswith("hydra.searchpath=")]
+    config_name = args.config_name or CONFIG_NAME
+    cache: dict[str, list[str]] = {}
+
+    def options(group: str) -> list[str]:
+        if group not in cache:
+            with warnings.catch_warnings():  # a missing search-path entry: Hydra warns about it itself
+                warnings.simplefilter("ignore")
+                cache[group] = sorted(loader.get_group_options(group, config_name=config_name,
+                                                               overrides=searchpath_overrides))
+        return cache[group]
+
+    return options
+
+
+def _choices(override) -> Iterable[str]:
+    """The config names an override selects: one, or each of a sweep's (``a,b``, ``choice(a,b)``)."""
+    if override.is_delete():
+        return []
+    if override.is_choice_sweep() or override.is_range_sweep():
+        return list(override.sweep_string_iterator())
+    if override.is_sweep_override() or override.value() is None:  # glob()/interval(): not names; null
+        return []
+    return [override.get_value_element_as_str()]
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Reject an unknown config name (``strategy=zer3``) in one line, listing the choices from every
+    search path, before Hydra composes anything; a sweep (``strategy=ddp,zero1``) is checked value by value.
+    Command lines Hydra cannot parse are left to Hydra, which reports them itself."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    args = _hydra_args(argv)
+    if args is None or args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+        options = _option_lister(args)
+        for o in overrides:
+            names = _choices(o)
+            known = options(o.key_or_group) if names else []
+            if not known:  # not a config group (a field such as trainer.devices), or nothing to check
+                continue
+            for name in names:
+                if name not in known:
+                    raise ConfigError(f"unknown {o.key_or_group} {name!r}; choose from: {', '.join(known)}")
+    except HydraException:  # a syntax error, a missing --config-dir, ...: Hydra's own message follows
+        return
+
+
+def torchrun_overrides(argv: list[str], env: dict[str, str]) -> list[str]:
+    """Under torchrun every rank runs this app: give them one shared run directory (named by torchrun's
+    run id, stable across restarts, so a restarted run finds its checkpoints), and let only rank 0 write
+    Hydra's files."""
+    if "TORCHELASTIC_RUN_ID" not in env or any(a.startswith("-m") or a == "--multirun" for a in argv):
+        return []
+    extra = []
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        extra.append(f"hydra.run.dir=outputs/torchrun/{env['TORCHELASTIC_RUN_ID']}")
+    if env.get("RANK", "0") != "0":
+        extra.append("hydra.output_subdir=null")
+    return extra
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors that a restart cannot fix
+
+
+def stop_elastic_agent() -> bool:
+    """Ask torchrun not to restart a run whose configuration is wrong: every attempt would fail the
+    same way. torch.distributed.elastic has no exit code for "do not retry" (pytorch#133877): its agent
+    restarts the workers after any failure while ``--max-restarts`` lasts. What it does honour is a
+    termination signal: on SIGTERM the agent stops its workers and exits nonzero without a new
+    attempt. So the worker sends SIGTERM to its parent, after making sure that parent is torchrun's
+    agent (on Linux, from /proc). Returns whether it did."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") in ("", "0"):
+        return False
+    agent = os.getppid()
+    try:
+        cmdline = Path(f"/proc/{agent}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if not any(part.endswith((b"torchrun", b"torch.distributed.run", b"torch.distributed.launch"))
+               for part in cmdline):
+        return False
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(agent, signal.SIGTERM)
+    return True
+
+
+def _config_failure(e: ConfigError) -> None:
+    print(f"error: {e}", file=sys.stderr)
+    stop_elastic_agent()
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Hydra app
+
+_state = {"job_started": False}
+
+
+def _run(cfg: DictConfig) -> float | None:
+    if cfg.mode == "estimate":
+        from lightning_par.estimate import run_estimate
+
+        run_estimate(cfg)
+        return None
+    if cfg.mode != "train":
+        raise ConfigError(f"unknown mode {cfg.mode!r}; choose from: train, estimate")
+    from lightning_par.train import train
+
+    summary = train(cfg)
+    return summary["final_loss"] if summary else None
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
+def _job(cfg: DictConfig) -> float | None:
+    """One job. Whatever ends it early leaves error.json in its output dir. In a sweep the failure
+    goes back to Hydra as ``JobFailed``: Hydra marks the job failed, runs the others and ends the
+    sweep with a nonzero exit. A single run prints one ``error:`` line and exits 2 for a
+    configuration mistake, 1 for anything else (``HYDRA_FULL_ERROR=1`` shows the traceback)."""
+    from lightning_par.jobs import hydra_job, one_line, record_failure, root_error
+
+    _state["job_started"] = True
+    job = hydra_job()
+    try:
+        return _run(cfg)
+    except (KeyboardInterrupt, SystemExit) as e:  # an interrupt or an explicit exit ends everything
+        if not (isinstance(e, SystemExit) and e.code in (0, None)):
+            record_failure(e)
+        raise
+    except BaseException as e:  # noqa: BLE001 -- torch's CheckpointException is a BaseException
+        record_failure(e)
+        cause = root_error(e)
+        line = str(cause) if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {one_line(cause)}"
+        if job.get("multirun"):
+            print(f"error: job {job.get('num')}: {line}", file=sys.stderr)
+            raise JobFailed(f"job {job.get('num')} failed: {line} (error.json in {job.get('output_dir')})") from e
+        if isinstance(cause, ConfigError):
+            _config_failure(cause)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main() -> None:
+    """Entry point of ``lightning-par``: check config names, add torchrun's settings, run Hydra."""
+    argv = sys.argv[1:]
+    try:
+        check_group_choices(argv)
+    except ConfigError as e:
+        _config_failure(e)
+    sys.argv += torchrun_overrides(argv, dict(os.environ))
+    try:
+        _job()
+    except SystemExit as e:
+        # Hydra refused the command line (a composition error) before any job ran: not retryable either
+        if e.code not in (0, None) and not _state["job_started"]:
+            stop_elastic_agent()
+        raise
