@@ -1,4 +1,6 @@
-"""Every yaml of every config group composes and instantiates on its own (not only the default)."""
+"""Every yaml of every config group composes and instantiates on its own (not only the default), from the
+package the app reads them from (``pkg://lightning_par.conf``); the config-name pre-check sees user config
+directories (``hydra.searchpath``, ``--config-dir``) as Hydra does."""
 
 from __future__ import annotations
 
@@ -7,13 +9,16 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from lightning_par import ConfigError
+from lightning_par.cli import check_group_choices
 from lightning_par.strategies.base import ParStrategyMixin
+from tests.helpers import run_cli
 
 CONF = Path(__file__).resolve().parents[1] / "lightning_par" / "conf"
 
@@ -24,7 +29,7 @@ def names(group: str) -> list[str]:
 
 def composed(*overrides: str, tmp: Path | None = None):
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_module(config_module="lightning_par.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # so ${hydra:...} resolves as in a real run
     if tmp is not None:
@@ -102,3 +107,66 @@ def test_default_composition_is_the_documented_one():
     cfg = composed()
     assert HydraConfig.get().runtime.choices["strategy"] == "single"
     assert cfg.model.preset == "gpt_small" and cfg.data.files == "stdlib" and cfg.mode == "train"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the config-name pre-check (lightning_par.cli.check_group_choices) and user config directories
+
+USER_LOGGER = "_target_: lightning.pytorch.loggers.CSVLogger\nsave_dir: ${paths.output_dir}\nname: mine\n"
+
+
+@pytest.fixture
+def user_conf(tmp_path):
+    """A user's config directory holding one more logger, ``logger=mine``."""
+    d = tmp_path / "my_conf"
+    (d / "logger").mkdir(parents=True)
+    (d / "logger" / "mine.yaml").write_text(USER_LOGGER)
+    return d
+
+
+def refusal(argv: list[str]) -> str | None:
+    try:
+        check_group_choices(argv)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_precheck_accepts_configs_from_user_directories(user_conf, tmp_path, monkeypatch):
+    assert refusal(["logger=mine"]) == "unknown logger 'mine'; choose from: " + ", ".join(names("logger"))
+    assert refusal([f"hydra.searchpath=[file://{user_conf}]", "logger=mine"]) is None
+    assert refusal(["--config-dir", str(user_conf), "logger=mine"]) is None
+    assert refusal(["-m", f"hydra.searchpath=[file://{user_conf}]", "logger=csv,mine"]) is None
+    # a package of configs: pkg://
+    pkg = tmp_path / "site" / "my_lp_conf"
+    (pkg / "logger").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "logger" / "mine.yaml").write_text(USER_LOGGER)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert refusal(["hydra.searchpath=[pkg://my_lp_conf]", "logger=mine"]) is None
+
+
+def test_precheck_lists_choices_from_every_search_path(user_conf):
+    msg = refusal([f"hydra.searchpath=[file://{user_conf}]", "logger=mnie"])
+    assert msg == "unknown logger 'mnie'; choose from: " + ", ".join(sorted([*names("logger"), "mine"]))
+    msg = refusal(["-m", "strategy=ddp,zer3"])
+    assert msg == "unknown strategy 'zer3'; choose from: " + ", ".join(names("strategy"))
+    assert "unknown strategy 'zer3'" in refusal(["strategy=choice(ddp,zer3)"])
+    # nested groups too: Hydra's launchers, ours and the submitit plugin's
+    msg = refusal(["hydra/launcher=slrum"])
+    assert msg.startswith("unknown hydra/launcher 'slrum'; choose from: ") and "slurm" in msg and "basic" in msg
+
+
+def test_precheck_leaves_fields_and_hydra_syntax_alone():
+    for argv in (["trainer.devices=2", "hydra.run.dir=/tmp/x", "seed=3"], ["strategy=null"], ["+logger=csv"],
+                 ["strategy=ddp", "data.files='~/my/*.txt'"], ["--help"], ["strategy=[unclosed"]):
+        assert refusal(argv) is None, argv
+
+
+def test_app_composes_a_user_config(user_conf, tmp_path):
+    """The real command line: the user's logger is found and composed; a typo is one line listing it."""
+    proc = run_cli(["--cfg", "job", f"hydra.searchpath=[file://{user_conf}]", "logger=mine"], tmp_path, timeout=60)
+    assert "name: mine" in proc.stdout and "CSVLogger" in proc.stdout, proc.stdout
+    proc = run_cli([f"hydra.searchpath=[file://{user_conf}]", "logger=mien"], tmp_path, timeout=60, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: unknown logger 'mien'; choose from: " + ", ".join(sorted([*names("logger"), "mine"]))], proc.stderr
