@@ -3,16 +3,19 @@ a config node.
 
 Order: validate everything that can be checked without processes (names, sizes, precision,
 devices, model/data match, the strategy's own constraints) and raise ``ConfigError`` with one line;
-then build data, model, strategy, callbacks, logger and trainer; then fit. For multi-process runs
-started here (not by torchrun or Slurm), the resolved config is written next to the run's Hydra
-files and ranks 1..N-1 are started as ``python -m lightning_par.child <that file>`` -- which is why
-Hydra multirun works (see ``strategies/launcher.py``).
+then build data, model, strategy, callbacks, logger and trainer; then fit. The run claims its run
+directory first (``jobs.RunDirLock``: a second live run into it is refused) and checks that the
+output and checkpoint directories are writable. For multi-process runs started here (not by
+torchrun or Slurm), the resolved config is written next to the run's Hydra files, one file per run,
+and ranks 1..N-1 are started as ``python -m lightning_par.child <that file>`` -- which is why Hydra
+multirun works (see ``strategies/launcher.py``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,9 +25,13 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.fabric.connector import _PRECISION_INPUT_STR
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_par import ConfigError
+from lightning_par.callbacks.guard import RunGuard, RunStopped
+from lightning_par.jobs import RunDirInUse, RunDirLock, clear_failure
 from lightning_par.parallel.elastic import init_elastic_process_group
 
 PRECISIONS = tuple(p for p in typing.get_args(_PRECISION_INPUT_STR) if not p.startswith("transformer"))
@@ -39,7 +46,20 @@ def _accelerator(cfg: DictConfig) -> str:
     return acc
 
 
+def torchrun_world() -> tuple[int, int] | None:
+    """(processes per node, nodes) as torchrun started them (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``), or
+    None outside torchrun. Under torchrun these, not ``trainer.devices``, are the world."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local, max(1, world // max(1, local))
+
+
 def world_size_of(cfg: DictConfig) -> int:
+    elastic = torchrun_world()
+    if elastic is not None:
+        return elastic[0] * elastic[1]
     devices = cfg.trainer.get("devices", 1)
     if isinstance(devices, str) and devices != "auto":
         devices = int(devices)
@@ -124,6 +144,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         strategy = instantiate(cfg.strategy)
         model = instantiate(cfg.model)
         datamodule = instantiate(cfg.data)
+        with torch.device("meta"):  # what the strategies will do too: shapes only, no memory
+            model.configure_model()  # so the checks before launch see the architecture
     except Exception as e:  # hydra wraps constructor errors; show the cause in one line
         cause = e.__cause__ or e
         raise ConfigError(f"{type(cause).__name__}: {cause}") from None
@@ -143,20 +165,84 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     trainer_kwargs: dict[str, Any] = {}
     if world == 1:
         trainer_kwargs.update(devices=1, num_nodes=1)
+    elif torchrun_world() is not None:
+        trainer_kwargs.update(zip(("devices", "num_nodes"), torchrun_world()))
     out_dir = str(cfg.paths.output_dir)
-    if world > 1 and not child and not launched_externally():
-        config_path = _write_child_config(cfg, out_dir)
-        strategy.child_command = [sys.executable, "-m", "lightning_par.child", config_path]
-        strategy.child_cwd = os.getcwd()
-    with _restored_process_env():
-        if world > 1:  # under torchrun: a fresh store namespace per restart (see parallel/elastic.py)
-            init_elastic_process_group("nccl" if _accelerator(cfg) == "cuda" else "gloo")
-        trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=parts["callbacks"], logger=parts["logger"],
-                              **trainer_kwargs)
-        ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out_dir)
-        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=ckpt_path)
-        summary = next((cb.summary for cb in trainer.callbacks if type(cb).__name__ == "RunSummary"), None)
+    callbacks = with_guard(parts["callbacks"])
+    ckpt_dirs = checkpoint_dirs(callbacks, out_dir)
+    owner = not child and _env_rank() == 0  # the process that holds the run directory
+    lock = RunDirLock(out_dir) if owner else None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunDirInUse as e:
+            raise ConfigError(str(e)) from None
+    try:
+        if owner:
+            check_writable(out_dir, "output")
+            for d in ckpt_dirs:
+                check_writable(d, "checkpoint")
+        if world > 1 and not child and not launched_externally():
+            config_path = _write_child_config(cfg, out_dir)
+            strategy.child_command = [sys.executable, "-m", "lightning_par.child", config_path]
+            strategy.child_cwd = os.getcwd()
+        with _restored_process_env():
+            if world > 1:  # under torchrun: a fresh store namespace per restart (see parallel/elastic.py)
+                init_elastic_process_group("nccl" if _accelerator(cfg) == "cuda" else "gloo")
+            trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=parts["logger"],
+                                  **trainer_kwargs)
+            ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out_dir, ckpt_dirs)
+            try:
+                trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=ckpt_path)
+            except RunStopped as e:
+                if trainer.is_global_zero:
+                    print(f"stopped: {e}", file=sys.stderr, flush=True)
+                raise
+            summary = next((cb.summary for cb in trainer.callbacks if type(cb).__name__ == "RunSummary"), None)
+        if trainer.is_global_zero:
+            clear_failure(out_dir)  # e.g. left by a torchrun attempt that died before this one finished
+    finally:
+        if lock is not None:
+            lock.release()
     return summary if trainer.is_global_zero else None
+
+
+def with_guard(callbacks: list[Any]) -> list[Any]:
+    """The callbacks, with a ``RunGuard`` (safe SIGTERM stop, non-finite loss check) appended when the
+    config has none (e.g. ``callbacks=none``): without it Lightning's own SIGTERM handling would run,
+    and that deadlocks multi-process runs (see callbacks/guard.py)."""
+    if any(isinstance(cb, RunGuard) for cb in callbacks):
+        return list(callbacks)
+    return [*callbacks, RunGuard()]
+
+
+def checkpoint_dirs(callbacks: list[Any], out_dir: str) -> list[str]:
+    """Where this run's checkpoints go: each ``ModelCheckpoint``'s directory, else ``<run dir>/checkpoints``
+    (the stop checkpoint's default)."""
+    dirs = [str(cb.dirpath) for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    return dirs or [os.path.join(out_dir, "checkpoints")]
+
+
+def check_writable(directory: str, what: str) -> None:
+    """Fail in one line, before training, when ``directory`` cannot be created or written. Directories
+    created only for the test are removed again (a run without checkpoints leaves no empty folder)."""
+    created = []
+    d = os.path.abspath(directory)
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        created.append(d)
+        d = os.path.dirname(d)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what} directory {directory} is not writable: {e.strerror or e}") from None
+    finally:
+        for c in created:
+            try:
+                os.rmdir(c)
+            except OSError:
+                break
 
 
 def _env_rank() -> int:
@@ -166,33 +252,58 @@ def _env_rank() -> int:
     return 0
 
 
-def latest_checkpoint(directory: str) -> str | None:
-    """The checkpoint of the highest step in ``directory`` that was written completely (a DCP
-    checkpoint directory has its ``.metadata`` written last; a file checkpoint is complete once it exists)."""
-    if not os.path.isdir(directory):
+def checkpoint_step(path: str) -> int | None:
+    """The global step a checkpoint recorded, or None when it is incomplete or unreadable.
+
+    A lightning_par checkpoint is a DCP directory, complete once ``.metadata`` exists (DCP writes it
+    last); its step is in ``meta.pt`` (Lightning's ``global_step``), which holds no model tensors.
+    A single-file checkpoint is memory-mapped, so its tensors are not read either."""
+    try:
+        if os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, ".metadata")):
+                return None
+            meta = torch.load(os.path.join(path, _METADATA_FILENAME), map_location="cpu", weights_only=False)
+        else:
+            meta = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return int(meta["global_step"])
+    except Exception:  # noqa: BLE001 -- a damaged or foreign file is not a candidate
         return None
+
+
+def latest_checkpoint(*directories: str) -> str | None:
+    """The checkpoint with the highest recorded global step among ``directories`` (ties: the newest
+    file), ignoring incomplete ones. Candidates: ``*.ckpt`` entries, including Lightning's Slurm
+    ``hpc_ckpt_N.ckpt``. File names are not parsed (``step000016-v1.ckpt`` is step 16)."""
     found = []
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        digits = "".join(ch for ch in name if ch.isdigit())
-        complete = os.path.isfile(os.path.join(path, ".metadata")) if os.path.isdir(path) else name.endswith(".ckpt")
-        if digits and complete:
-            found.append((int(digits), path))
-    return max(found)[1] if found else None
+    for directory in directories:
+        if not os.path.isdir(directory):
+            continue
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if not name.endswith(".ckpt"):
+                continue
+            step = checkpoint_step(path)
+            if step is not None:
+                found.append((step, os.path.getmtime(path), path))
+    return max(found)[2] if found else None
 
 
-def resolve_ckpt_path(ckpt_path: str | None, out_dir: str) -> str | None:
-    """``auto``: resume from this run directory's newest complete checkpoint, if any (how a run
-    restarted by torchrun picks up where it stopped); else the path as given."""
+def resolve_ckpt_path(ckpt_path: str | None, out_dir: str, ckpt_dirs: list[str] | None = None) -> str | None:
+    """``auto``: resume from this run's newest complete checkpoint (in its checkpoint directories or
+    Slurm's ``hpc_ckpt_N.ckpt`` in the run directory), if any -- how a run restarted by torchrun,
+    requeued by Slurm or stopped by SIGTERM picks up where it stopped; else the path as given."""
     if ckpt_path != "auto":
         return ckpt_path
-    return latest_checkpoint(os.path.join(out_dir, "checkpoints"))
+    return latest_checkpoint(*(ckpt_dirs or [os.path.join(out_dir, "checkpoints")]), out_dir)
 
 
 def _write_child_config(cfg: DictConfig, out_dir: str) -> str:
-    """The fully resolved config, where the child ranks read it (next to Hydra's own files)."""
+    """The fully resolved config, where the child ranks read it (next to Hydra's own files), under a
+    name of its own per run (``resolved-<pid>-<random>.yaml``): a later run that shares the
+    directory cannot overwrite the file this run's children read."""
     hydra_dir = os.path.join(out_dir, ".hydra")
     os.makedirs(hydra_dir, exist_ok=True)
-    path = os.path.join(hydra_dir, "resolved.yaml")
+    fd, path = tempfile.mkstemp(prefix=f"resolved-{os.getpid()}-", suffix=".yaml", dir=hydra_dir)
+    os.close(fd)
     OmegaConf.save(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), path)
     return path

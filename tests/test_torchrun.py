@@ -1,5 +1,7 @@
-"""torchrun: run.py works under it, and with --max-restarts a killed rank is restarted and the run
-resumes from its last checkpoint with the losses of an uninterrupted run."""
+"""torchrun: run.py works under it as the README writes it (the world is torchrun's ``WORLD_SIZE``,
+not ``trainer.devices``), and with --max-restarts a killed rank is restarted, the run resumes from
+its last checkpoint with the losses of an uninterrupted run, and the dead attempt's error.json is
+gone once the run has finished."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def torchrun(args: list[str], run_dir, restarts: int = 0, timeout: float = 300) 
 def test_killed_rank_is_restarted_and_resumes_with_same_losses(tmp_path):
     ref = train_summary(QUICK + ["strategy=ddp", "trainer.devices=2"], tmp_path / "ref")
     run_dir = tmp_path / "elastic"
-    proc = torchrun(QUICK + ["strategy=ddp", "trainer.devices=2", "callbacks=checkpoint",
+    # the README's command: no trainer.devices, torchrun's --nproc-per-node decides
+    proc = torchrun(QUICK + ["strategy=ddp", "callbacks=checkpoint",
                              "callbacks.checkpoint.every_n_train_steps=4", "ckpt_path=auto",
                              "+callbacks.fault._target_=tests.fault.KillRankAt", "+callbacks.fault.step=7",
                              "+callbacks.fault.rank=1"], run_dir, restarts=2)
@@ -39,10 +42,12 @@ def test_killed_rank_is_restarted_and_resumes_with_same_losses(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 12
     assert_losses_match(summary, ref)  # steps 1-4 restored from the checkpoint, 5-12 recomputed
     assert latest_checkpoint(str(run_dir / "checkpoints")).endswith("step000012.ckpt")
+    assert "error: " in log  # the first attempt failed and recorded it (error.json) ...
+    assert not (run_dir / "error.json").exists()  # ... a record the finished run removed
 
 
 def test_torchrun_without_faults(tmp_path):
-    proc = torchrun(QUICK + ["strategy=ddp", "trainer.devices=2"], tmp_path)
+    proc = torchrun(QUICK + ["strategy=ddp"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12

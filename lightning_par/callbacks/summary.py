@@ -12,6 +12,7 @@ their ``summary()`` methods.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -31,6 +32,18 @@ def _fmt_bytes(n: int | None) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return str(n)
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf) replaced by None: summary.json stays valid JSON
+    (``json.dump`` would write bare ``NaN``, which strict JSON parsers reject)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 class RunSummary(L.Callback):
@@ -118,7 +131,7 @@ class RunSummary(L.Callback):
             out = self.output_dir or trainer.default_root_dir
             os.makedirs(out, exist_ok=True)
             with open(os.path.join(out, "summary.json"), "w") as f:
-                json.dump(self.summary, f, indent=2)
+                f.write(json.dumps(json_safe(self.summary), indent=2, allow_nan=False) + "\n")
             print(format_summary(self.summary), flush=True)
 
 

@@ -10,6 +10,15 @@
 ``global_batch_size`` is the user's knob: samples per optimizer step over all data-parallel ranks.
 The per-rank micro-batch follows from the data-parallel size (read from the strategy) and
 gradient accumulation; a size that does not divide raises ``ConfigError``.
+
+Mid-epoch resume: the loaders here are plain ``DataLoader``s; the strategies wrap the training one
+in ``strategies/checkpoint.py``'s ``ResumableLoader``. torchdata's ``StatefulDataLoader`` does not
+replace it: its state is per rank (batches this rank yielded, plus the sampler's own state; "not
+across ranks", its documentation says), so a checkpoint resumed on a different data-parallel size
+-- which lightning_par supports, e.g. zero3 on 4 ranks resumed under ddp on 2 -- would skip the
+wrong number of samples. ``ResumableLoader`` records the position in samples of the global,
+dp-size independent order, and otherwise fast-forwards the same way (by re-drawing the skipped
+micro-batches); it also needs no extra dependency.
 """
 
 from __future__ import annotations
@@ -118,15 +127,31 @@ class TextDataModule(ParDataModule):
         self.seq_len = seq_len
         self.max_bytes = max_bytes
         self.val_fraction = val_fraction
+        if files not in (None, "stdlib"):
+            self._check_files()  # here, in the launching process: before any rank starts
 
     def _paths(self) -> list[str]:
         if self.files in (None, "stdlib"):
             return stdlib_files()
         patterns = [self.files] if isinstance(self.files, str) else list(self.files)
-        paths = sorted({p for pat in patterns for p in glob.glob(os.path.expanduser(pat), recursive=True)})
+        matches = {p for pat in patterns for p in glob.glob(os.path.expanduser(pat), recursive=True)}
+        paths = sorted(p for p in matches if not os.path.isdir(p))
         if not paths:
             raise ConfigError(f"TextDataModule: no files match {self.files!r}")
         return paths
+
+    def _check_files(self) -> None:
+        """One line naming the file when a data file cannot be read, or when every file is empty."""
+        paths = self._paths()
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise ConfigError(f"cannot read data file {path}: {e.strerror or e}") from None
+        if all(os.path.getsize(p) == 0 for p in paths):
+            raise ConfigError(f"data file {paths[0]} is empty" if len(paths) == 1
+                              else f"data files are all empty: {', '.join(paths[:5])}")
 
     def read_corpus(self) -> torch.Tensor:
         data, total = [], 0

@@ -8,21 +8,83 @@ replaces the children's command when one is given: ``run.py`` hands over a comma
 ``python -m lightning_par.child <resolved config>`` -- the child trains exactly this job's config,
 in this job's output directory, with no Hydra sweep at all. Without a command (a user's own
 script), the behaviour is Lightning's.
+
+A job owns its children from start to end, on every exit path:
+
+- Lightning's ``_ChildProcessObserver`` polls the children; when one dies it SIGKILLs the others
+  *and the main process* -- in a sweep that is the whole sweep. Ours (``_JobObserver``) kills the
+  other children only and records which rank died; the main rank's pending collective then fails
+  (its peers are gone) and the job raises ``RankDied`` naming the dead rank, which run.py turns into
+  this job's ``error.json`` while the sweep goes on.
+- The observer is retired and the children are reaped (waited for, killed after a grace period) in
+  a ``finally``: after success, an exception, or a stop on SIGTERM. (Lightning leaves its observer
+  running; in a multirun it outlived its job and killed the parent during the next one.)
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
-from collections.abc import Sequence
-
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+# seconds the children get to finish after rank 0's work returned, and after it failed
+_GRACE_OK_S = 120.0
+_GRACE_FAILED_S = 20.0
+# after a child died, seconds the main rank gets to notice (its collective fails) before it is interrupted
+_NOTICE_S = 60.0
+
+
+class RankDied(RuntimeError):
+    """A child rank of this job exited abnormally."""
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _JobObserver(_ChildProcessObserver):
+    """Lightning's observer, but a dead child fails only this job: the other children are killed,
+    the main process is left alive (see the module docstring)."""
+
+    def __init__(self, child_processes: list[subprocess.Popen], sleep_period: float = 1.0) -> None:
+        super().__init__(main_pid=os.getpid(), child_processes=child_processes, sleep_period=sleep_period)
+        self.dead: tuple[int, int] | None = None  # (global rank, return code) of the first child that died
+        self._retired = threading.Event()
+
+    def _terminate_all(self) -> None:
+        for i, proc in enumerate(self._child_processes):
+            if proc.returncode and self.dead is None:
+                self.dead = (i + 1, proc.returncode)
+        for proc in self._child_processes:
+            if proc.poll() is None:
+                proc.kill()
+
+    def run(self) -> None:
+        super().run()
+        # gloo's pending collective fails at once when the peers' sockets close; a main rank blocked
+        # elsewhere (waiting for a rendezvous that can no longer complete) gets KeyboardInterrupt,
+        # delivered as soon as it runs Python code again
+        if self.dead is not None and not self._retired.wait(_NOTICE_S):
+            import _thread
+
+            _thread.interrupt_main()
+
+    def retire(self) -> None:
+        self._finished = True
+        self._retired.set()
 
 
 class ChildCommandLauncher(_SubprocessScriptLauncher):
@@ -33,26 +95,52 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         self.child_cwd = child_cwd
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """As Lightning's, but the job ends cleanly: after this rank's work returns, wait for the
-        children and retire the process observer. (Lightning leaves its observer running; in a
-        multirun it would outlive its job and kill the parent during the next one if a finished
-        child exits abnormally, e.g. gloo's occasional abort at interpreter shutdown.)"""
+        """As Lightning's, but the job owns its children on every exit path (module docstring)."""
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         observer = None
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            observer = _ChildProcessObserver(child_processes=self.procs, main_pid=os.getpid())
+            observer = _JobObserver(self.procs)
             observer.start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        result = function(*args, **kwargs)
-        if observer is not None:
-            observer._finished = True  # its loop ends at its next wake-up
-            for proc in self.procs:
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        ok = False
+        try:
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            result = function(*args, **kwargs)
+            ok = True
+        except BaseException as e:
+            if observer is not None:
+                self._settle(observer)
+                if observer.dead is not None:
+                    rank, code = observer.dead
+                    raise RankDied(f"rank {rank} died ({describe_exit(code)}); this job is failed "
+                                   f"(rank 0 saw: {type(e).__name__})") from e
+            raise
+        finally:
+            if observer is not None:
+                observer.retire()
+                self.reap(_GRACE_OK_S if ok else _GRACE_FAILED_S)
+        if observer is not None and observer.dead is not None:  # died after rank 0 had finished its work
+            rank, code = observer.dead
+            raise RankDied(f"rank {rank} died ({describe_exit(code)}) at the end of the job")
         return result
+
+    @staticmethod
+    def _settle(observer: _JobObserver) -> None:
+        """Let the observer see a child that died just now (rank 0 usually fails a moment later)."""
+        if observer.dead is None and any(p.poll() not in (None, 0) for p in observer._child_processes):
+            observer._run()
+
+    def reap(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` in all for the children to exit, then kill the rest."""
+        import time
+
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def _call_children_scripts(self) -> None:
         if self.child_command is None:
@@ -68,5 +156,6 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         for local_rank in range(1, self.num_processes):
             child_env = os.environ.copy()
             child_env["LOCAL_RANK"] = str(local_rank)
+            child_env["RANK"] = str(env.node_rank() * self.num_processes + local_rank)  # for error.json's rank
             self.procs.append(subprocess.Popen(self.child_command, env=child_env, cwd=self.child_cwd))
         return None

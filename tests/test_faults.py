@@ -1,0 +1,245 @@
+"""Fault injection: runs and sweeps fail safely.
+
+- a rank killed mid-job fails only its job (error.json naming the rank); the sweep's next job trains;
+- SIGTERM to a 2-rank ddp run stops every rank at one step with a checkpoint; ``ckpt_path=auto``
+  resumes from it, finishes with an uninterrupted run's losses and clears the stale error.json;
+- a non-finite loss stops the run (or warns), and summary.json stays strict JSON;
+- a run directory held by a live run is refused in one line, a dead holder's lock is taken over,
+  and child configs are unique per run;
+- ``ckpt_path=auto`` picks the highest recorded step, not the digits of a file name;
+- unwritable checkpoint directories and empty data files stop in one line before processes start.
+
+The multi-process runs are shared between assertions (one sweep covers a killed-rank job and a good job).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lightning_par.callbacks.summary import json_safe
+from lightning_par.jobs import LOCK_FILE, RunDirInUse, RunDirLock
+from lightning_par.train import _write_child_config, latest_checkpoint
+from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
+
+DDP2 = [*QUICK, "strategy=ddp", "trainer.devices=2"]
+
+
+def strict_json(path: Path):
+    """Parse as strict JSON: bare NaN/Infinity are errors."""
+    def refuse(token: str):
+        raise ValueError(f"{path} holds non-JSON constant {token}")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+
+
+class PauseAt(L.Callback):
+    """Fault injection: on global rank 0 at optimizer step ``step`` write ``marker`` (this pid) and pause
+    ``pause_s``, so a test can signal the run at a known point. Does nothing once the marker exists."""
+
+    def __init__(self, step: int, marker: str, pause_s: float = 5.0) -> None:
+        self.step, self.marker, self.pause_s = step, marker, pause_s
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            time.sleep(self.pause_s)
+
+
+# ----------------------------------------------------------------------------- a killed rank in a sweep
+@pytest.fixture(scope="module")
+def killed_rank_sweep(tmp_path_factory):
+    """Job 0: rank 1 is SIGKILLed at step 7. Job 1: the same run without a fault (the fault step is
+    past the end). Lightning's observer would have killed the whole sweep during job 1."""
+    sweep = tmp_path_factory.mktemp("sweep")
+    start = time.monotonic()
+    proc = run_cli(["-m", *DDP2, "+callbacks.fault._target_=tests.fault.KillRankAt", "+callbacks.fault.step=7,1000",
+                    "+callbacks.fault.rank=1", f"hydra.sweep.dir={sweep}"], sweep, timeout=240, check=False)
+    return proc, sweep, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dead_rank_fails_only_its_job(killed_rank_sweep):
+    proc, sweep, _ = killed_rank_sweep
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]  # a sweep with a failed job exits nonzero ...
+    err = json.loads((sweep / "0" / "error.json").read_text())
+    assert err["type"] == "RankDied" and "rank 1 died (killed by SIGKILL)" in err["error"], err
+    assert not (sweep / "0" / "summary.json").exists()
+    good = strict_json(sweep / "1" / "summary.json")  # ... but the next job ran to the end
+    assert good["steps"] == 12 and good["world_size"] == 2, good
+    assert not (sweep / "1" / "error.json").exists()
+    # every job's children were started from a config file of their own
+    assert len(list((sweep / "0" / ".hydra").glob("resolved-*.yaml"))) == 1
+
+
+# ------------------------------------------------------------------------------------------- SIGTERM
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigterm_stops_all_ranks_with_checkpoint_and_resumes(tmp_path, killed_rank_sweep):
+    run_dir, marker = tmp_path / "run", tmp_path / "paused"
+    args = [*DDP2, "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=4", "ckpt_path=auto"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}",
+           "+callbacks.pause._target_=tests.test_faults.PauseAt", "+callbacks.pause.step=5",
+           f"+callbacks.pause.marker={marker}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), f"the run never reached step 5 (rc {proc.poll()})"
+        assert int(marker.read_text()) == proc.pid  # rank 0 is the process we signal
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-3000:])
+    assert took < 60, f"stopping took {took:.0f}s"
+    assert "stopped: stopped by SIGTERM after step" in err, err[-3000:]
+    assert not (run_dir / "summary.json").exists()
+    record = json.loads((run_dir / "error.json").read_text())
+    assert record["type"] == "RunStopped", record
+    # the stop checkpoint: written after the signal (step 5), before the end, and the one auto picks
+    ckpt = latest_checkpoint(str(run_dir / "checkpoints"))
+    step = torch.load(Path(ckpt) / "meta.pt", weights_only=False)["global_step"]
+    assert 5 < step < 12, (ckpt, step)
+    assert ckpt in record["error"]
+
+    resumed = run_cli(args, run_dir, timeout=240)  # ckpt_path=auto: continue from the stop checkpoint
+    assert f"Restoring states from the checkpoint path at {ckpt}" in resumed.stdout + resumed.stderr
+    summary = strict_json(run_dir / "summary.json")
+    assert summary["steps"] == 12
+    _, sweep, _ = killed_rank_sweep  # its job 1 is the same run without interruption
+    assert_losses_match(summary, strict_json(sweep / "1" / "summary.json"))
+    assert not (run_dir / "error.json").exists()  # the stopped attempt's record went with the success
+
+
+# --------------------------------------------------------------------------------------- non-finite loss
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_nonfinite_loss_stops_or_warns_and_summary_stays_json(tmp_path):
+    proc = run_cli(["-m", *QUICK, "model.lr=1e30", "callbacks.guard.nonfinite=stop,warn",
+                    f"hydra.sweep.dir={tmp_path}"], tmp_path, timeout=200, check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    stop, warn = tmp_path / "0", tmp_path / "1"
+    err = json.loads((stop / "error.json").read_text())
+    assert err["type"] == "NonFiniteLoss" and "non-finite training loss" in err["error"], err
+    assert "\n" not in err["error"]
+    assert not (stop / "summary.json").exists()
+    summary = strict_json(warn / "summary.json")  # warn: the run finishes with a strict-JSON summary
+    assert summary["steps"] == 12
+    assert None in summary["losses"] and summary["final_loss"] is None, summary["losses"]
+    assert "warning: non-finite training loss" in proc.stderr
+    assert not (warn / "error.json").exists()
+
+
+def test_json_safe_replaces_nonfinite_numbers():
+    s = json_safe({"a": [1.0, float("nan")], "b": {"c": float("inf")}, "d": -float("inf"), "e": 2, "f": "x"})
+    assert s == {"a": [1.0, None], "b": {"c": None}, "d": None, "e": 2, "f": "x"}
+    json.dumps(s, allow_nan=False)
+
+
+# ------------------------------------------------------------------------------------------ run directory
+def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
+    held = RunDirLock(tmp_path).acquire()
+    with pytest.raises(RunDirInUse, match=rf"in use by another run \(pid {os.getpid()} on "):
+        RunDirLock(tmp_path).acquire()
+    held.release()
+    RunDirLock(tmp_path).acquire().release()  # free again once released
+    # a holder that dies without releasing (SIGKILL): its lock goes with it
+    code = (f"import os, signal; from lightning_par.jobs import RunDirLock; RunDirLock({str(tmp_path)!r}).acquire(); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    dead = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60)
+    assert dead.returncode == -signal.SIGKILL
+    assert f'"pid": ' in (tmp_path / LOCK_FILE).read_text()  # it did hold the lock, and left its record
+    with RunDirLock(tmp_path) as lock:
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert lock.path == tmp_path / LOCK_FILE
+
+
+def test_child_configs_are_unique_per_run(tmp_path):
+    a = _write_child_config(OmegaConf.create({"run": 1}), str(tmp_path))
+    b = _write_child_config(OmegaConf.create({"run": 2}), str(tmp_path))
+    assert a != b
+    assert OmegaConf.load(a).run == 1 and OmegaConf.load(b).run == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_second_live_run_into_a_run_dir_is_refused_in_one_line(tmp_path):
+    with RunDirLock(tmp_path):
+        proc = run_cli([*DDP2], tmp_path, timeout=90, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and f"run directory {tmp_path} is in use by another run (pid {os.getpid()}" in lines[0]
+    assert not list((tmp_path / ".hydra").glob("resolved-*.yaml"))  # refused before any rank was started
+
+
+# ----------------------------------------------------------------------------------------- ckpt_path=auto
+def _fake_checkpoint(path: Path, step: int | None, complete: bool = True) -> None:
+    path.mkdir(parents=True)
+    if step is not None:
+        torch.save({"global_step": step, "epoch": 0}, path / "meta.pt")
+    if complete:
+        (path / ".metadata").write_bytes(b"")
+
+
+def test_auto_resume_picks_the_highest_recorded_step(tmp_path):
+    _fake_checkpoint(tmp_path / "step000009.ckpt", 9)
+    _fake_checkpoint(tmp_path / "step000016-v1.ckpt", 16)  # its digits join to 161
+    _fake_checkpoint(tmp_path / "step000015.ckpt", 15)
+    _fake_checkpoint(tmp_path / "step000020.ckpt", 20, complete=False)  # shards still being written
+    _fake_checkpoint(tmp_path / "step000030.ckpt", None)  # no meta.pt: not a complete checkpoint
+    (tmp_path / "step000040.ckpt").mkdir()
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step000016-v1.ckpt")
+    assert latest_checkpoint(str(tmp_path / "missing")) is None
+
+
+# ---------------------------------------------------------------------------- checked before processes
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_unwritable_checkpoint_dir_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = run_cli([*DDP2, "callbacks=checkpoint", f"callbacks.checkpoint.dirpath={blocker}/ckpts"], tmp_path / "run",
+                   timeout=90, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and f"checkpoint directory {blocker}/ckpts is not writable" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["empty", "unreadable"])
+def test_bad_data_file_is_one_line_naming_it(tmp_path, kind):
+    path = tmp_path / "corpus.txt"
+    if kind == "empty":
+        path.write_bytes(b"")
+        expected = f"data file {path} is empty"
+    else:
+        path.symlink_to(tmp_path / "gone.txt")  # a dangling link (permissions would not stop root)
+        expected = f"cannot read data file {path}"
+    proc = run_cli([*DDP2, f"data.files={path}"], tmp_path / "run", timeout=90, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
