@@ -107,6 +107,10 @@ class HFCausalLM(ParModule):
 
     # ------------------------------------------------------------------------ building
     def build_net(self, device: torch.device | str = "meta") -> nn.Module:
+        """A fresh copy mapping token ids to logits (used to count FLOPs on the meta device)."""
+        return LogitsOnly(self.build_hf(device))
+
+    def build_hf(self, device: torch.device | str = "meta") -> nn.Module:
         """A fresh Hugging Face model (meta: shapes only; else initialised from the global seed)."""
         auto = _transformers().AutoModelForCausalLM
         device = torch.device(device)
@@ -127,7 +131,7 @@ class HFCausalLM(ParModule):
         if getattr(self, "net", None) is not None:
             return
         device = _current_device()
-        self.net = self.build_net(device)
+        self.net = self.build_hf(device)
 
     @property
     def built(self) -> bool:
@@ -135,7 +139,7 @@ class HFCausalLM(ParModule):
 
     def _model(self) -> nn.Module:
         """The built model, or a meta copy for questions about its structure."""
-        return self.net if self.built else self.build_net("meta")
+        return self.net if self.built else self.build_hf("meta")
 
     # ------------------------------------------------------------------------ contract
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +162,7 @@ class HFCausalLM(ParModule):
         """Initialise the tensors ``module`` (a submodule of ``net`` or a copy of one) owns, as
         ``from_config`` would (``hf_plan.hf_init_fn``)."""
         if getattr(self, "_init", None) is None:  # from a pristine meta copy: the live net may be cut or wrapped
-            self._init = hf_init_fn(self.build_net("meta"))
+            self._init = hf_init_fn(self.build_hf("meta"))
         self._init(module)
 
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
@@ -166,6 +170,22 @@ class HFCausalLM(ParModule):
 
     def state_dict_keys(self) -> list[str]:
         return list(self._model().state_dict())
+
+
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM as a function of token ids to logits. On the meta device it passes an
+    explicit causal mask: building the mask itself reads tensor values, which meta tensors lack."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = None
+        if x.is_meta:
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], 1, t, t)
+        return self.net(input_ids=x, attention_mask=mask, use_cache=False).logits
 
 
 def _current_device() -> torch.device:

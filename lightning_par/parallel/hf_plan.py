@@ -197,6 +197,19 @@ def check_tied(model: nn.Module, *, tp: int = 1, pp: int = 1) -> None:
                          "stages -- build the model with tie_word_embeddings=false or use pp=1")
 
 
+def verify_ties(model: nn.Module) -> None:
+    """Raise a one-line ``ValueError`` if a tie the model declares is no longer one shared parameter
+    (call after setup: ``to_empty`` and per-module parameter replacement untie silently)."""
+    for src, dst in declared_ties(model):
+        try:
+            a, b = model.get_parameter(src), model.get_parameter(dst)
+        except AttributeError:
+            continue  # one side lives on another pipeline rank (refused by check_tied) or was cut away
+        if a is not b:
+            raise ValueError(f"{type(model).__name__}: {dst} is declared tied to {src} but is a separate parameter "
+                             "after setup; re-tie after materialising (hf_plan.retie)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Initialisation
 
