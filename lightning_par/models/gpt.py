@@ -81,6 +81,7 @@ class CausalSelfAttention(nn.Module):
         self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.wo.residual_projection = True  # GPT-2's scaled init (see GPT.init_weights)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -101,6 +102,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual_projection = True  # GPT-2's scaled init (see GPT.init_weights)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,17 +142,22 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = 0.02
         for module in self.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.reset_parameters()  # weight 1, bias 0
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for block in self.blocks:  # GPT-2's scaled init of the residual projections
-            for proj in (block.attn.wo, block.mlp.proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+            self.init_weights(module)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise the tensors ``module`` itself owns (the model contract's per-submodule init, which
+        lets a strategy initialise a meta-device model group by group): GPT-2's normal(0, 0.02),
+        scaled by 1/sqrt(2 n_layer) for the projections that write into the residual stream."""
+        std = 0.02
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()  # weight 1, bias 0
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            if getattr(module, "residual_projection", False):
+                std = std / math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
@@ -159,25 +166,30 @@ class GPT(nn.Module):
         return self.head(x)
 
     def parallel_plan(self) -> ParallelPlan:
-        n = self.config.n_layer
-        blocks = tuple(f"blocks.{i}" for i in range(n))
-        tp_plan = {
-            "embed.tok": "embedding",  # vocabulary rows split over tp ranks
-            "embed.pos": "position",  # replicated table; under sequence parallelism each rank adds its slice
-            "blocks.*.ln_1": "sequence_parallel",
-            "blocks.*.attn.wq": "colwise",  # heads split: W = [W_1 ... W_p]
-            "blocks.*.attn.wk": "colwise",
-            "blocks.*.attn.wv": "colwise",
-            "blocks.*.attn.wo": "rowwise",  # partial sums, one all-reduce per attention
-            "blocks.*.ln_2": "sequence_parallel",
-            "blocks.*.mlp.fc": "colwise",
-            "blocks.*.mlp.proj": "rowwise",  # one all-reduce per MLP
-            "head.ln_f": "sequence_parallel",
-            "head.lm_head": "output",  # vocabulary columns split; replicated or loss-parallel output
-        }
-        divisible = {
-            "n_head": self.config.n_head,
-            "mlp hidden": self.config.mlp_ratio * self.config.n_embd,
-            "vocab_size": self.config.vocab_size,
-        }
-        return ParallelPlan(layers=("embed", *blocks, "head"), blocks=blocks, tp_plan=tp_plan, tp_divisible=divisible)
+        return gpt_plan(self.config)
+
+
+def gpt_plan(config: GPTConfig) -> ParallelPlan:
+    """The GPT's parallel plan (a function of its config only: no model needs to be built)."""
+    n = config.n_layer
+    blocks = tuple(f"blocks.{i}" for i in range(n))
+    tp_plan = {
+        "embed.tok": "embedding",  # vocabulary rows split over tp ranks
+        "embed.pos": "position",  # replicated table; under sequence parallelism each rank adds its slice
+        "blocks.*.ln_1": "sequence_parallel",
+        "blocks.*.attn.wq": "colwise",  # heads split: W = [W_1 ... W_p]
+        "blocks.*.attn.wk": "colwise",
+        "blocks.*.attn.wv": "colwise",
+        "blocks.*.attn.wo": "rowwise",  # partial sums, one all-reduce per attention
+        "blocks.*.ln_2": "sequence_parallel",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",  # one all-reduce per MLP
+        "head.ln_f": "sequence_parallel",
+        "head.lm_head": "output",  # vocabulary columns split; replicated or loss-parallel output
+    }
+    divisible = {
+        "n_head": config.n_head,
+        "mlp hidden": config.mlp_ratio * config.n_embd,
+        "vocab_size": config.vocab_size,
+    }
+    return ParallelPlan(layers=("embed", *blocks, "head"), blocks=blocks, tp_plan=tp_plan, tp_divisible=divisible)

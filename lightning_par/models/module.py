@@ -2,14 +2,17 @@
 
 ``ParModule`` is a plain LightningModule around an architecture (``self.net``): batches are
 ``(inputs, targets)``, the loss is ``loss_fn(net(inputs), targets)``, the optimizer is built from
-plain arguments. It holds no parallelism: strategies read ``parallel_plan()`` (the net's plan, with
-paths rooted at this module) and ``loss_fn`` (which a pipeline's last stage needs on its own).
-Any LightningModule works with the data-parallel strategies; the plan is needed only by the
-techniques that cut the model (pipeline, tensor parallel) or choose units (FSDP, checkpointing).
+plain arguments. It holds no parallelism; it implements the model contract
+(``parallel/contract.py``): ``parallel_plan()`` (the net's plan, with paths rooted at this module),
+``loss_fn`` (which a pipeline's last stage needs on its own), ``example_input`` and
+``init_weights``. The architecture is built in Lightning's ``configure_model()`` hook, which
+lightning_par's strategies run on the meta device: the strategy cuts and shards the empty model and
+then materialises only this rank's part with ``init_weights``.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import lightning as L
@@ -43,7 +46,13 @@ class ParModule(L.LightningModule):
         self.weight_decay = weight_decay
         self.betas = tuple(betas)
         self.momentum = momentum
-        self.net: nn.Module
+        self.net: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        """Build the architecture once, on whatever device is current (the meta device under
+        lightning_par's strategies; real tensors under Lightning's own)."""
+        if self.net is None:
+            self.net = self.build_net(device=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -73,14 +82,24 @@ class ParModule(L.LightningModule):
         return cls(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
 
     def parallel_plan(self) -> ParallelPlan:
-        return self.net.parallel_plan().prefixed("net")
+        net = self.net if self.net is not None else self.build_net(device="meta")
+        return net.parallel_plan().prefixed("net")
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise the tensors ``module`` itself owns: the architecture's own rule where it has one,
+        else the module's ``reset_parameters()``."""
+        net_init = getattr(self.net, "init_weights", None)
+        if callable(net_init):
+            net_init(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
 
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
         """A batch of the right shape (used to count FLOPs on the meta device)."""
         raise NotImplementedError
 
-    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
-        """A fresh copy of the architecture (used to count FLOPs on the meta device)."""
+    def build_net(self, device: torch.device | str | None = "meta") -> nn.Module:
+        """A fresh copy of the architecture on ``device`` (None: the current default device)."""
         raise NotImplementedError
 
 
@@ -102,13 +121,12 @@ class GPTModule(ParModule):
         if self.seq_len > self.config.block_size:
             raise ValueError(f"GPTModule: seq_len={self.seq_len} exceeds block_size={self.config.block_size}")
         self.save_hyperparameters()
-        self.net = GPT(self.config)
 
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
         return torch.zeros(batch_size, self.seq_len, dtype=torch.long, device=device)
 
-    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
-        with torch.device(device):
+    def build_net(self, device: torch.device | str | None = "meta") -> nn.Module:
+        with torch.device(device) if device is not None else nullcontext():
             return GPT(self.config)
 
 
@@ -121,13 +139,12 @@ class MLPModule(ParModule):
         super().__init__(**kwargs)
         self.save_hyperparameters()
         self.arch = dict(in_dim=in_dim, hidden=hidden, depth=depth, n_classes=n_classes)
-        self.net = MLPNet(**self.arch)
 
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
         return torch.zeros(batch_size, self.arch["in_dim"], device=device)
 
-    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
-        with torch.device(device):
+    def build_net(self, device: torch.device | str | None = "meta") -> nn.Module:
+        with torch.device(device) if device is not None else nullcontext():
             return MLPNet(**self.arch)
 
 
@@ -142,12 +159,11 @@ class CNNModule(ParModule):
         self.save_hyperparameters()
         self.arch = dict(in_channels=in_channels, channels=tuple(channels), n_classes=n_classes)
         self.image_size = image_size
-        self.net = CNN(**self.arch)
 
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
         s = self.image_size
         return torch.zeros(batch_size, self.arch["in_channels"], s, s, device=device)
 
-    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
-        with torch.device(device):
+    def build_net(self, device: torch.device | str | None = "meta") -> nn.Module:
+        with torch.device(device) if device is not None else nullcontext():
             return CNN(**self.arch)

@@ -19,6 +19,7 @@ built in ``setup_environment``), its ``setup`` (layer-1 techniques instead of th
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -29,22 +30,23 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
-from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par import ConfigError
+from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
+from lightning_par.parallel.parallelize import Techniques, parallelize
 from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
+
+# LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
+# call submodules directly instead of ``self(...)``
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` stored on this rank (a DTensor's local shard, else ``t`` itself)."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-def model_plan(module: nn.Module):
-    """The module's declared ``ParallelPlan``, or None for modules that declare none."""
-    fn = getattr(module, "parallel_plan", None)
-    return fn() if callable(fn) else None
 
 
 class ParStrategyMixin:
@@ -56,6 +58,9 @@ class ParStrategyMixin:
     #: True when the strategy keeps model states in host memory (offload)
     offloads: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
+    #: what setup learnt about the model (units rule, parameter count), for the run summary
+    model_facts: dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:
@@ -65,15 +70,13 @@ class ParStrategyMixin:
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         """Raise ``ValueError`` (one line) if this strategy cannot run ``module`` on ``world_size`` ranks.
 
-        Called by run.py before any process starts; the default checks the mesh and that
-        activation checkpointing has blocks to wrap.
+        Called before any process starts by the lightning_par app, and again at the start of
+        ``setup`` (before any collective) for a strategy used from a user's own ``Trainer``.
         """
         self.dims_for(world_size).validate(world_size)
-        if self.activation_checkpointing:
-            plan = model_plan(module)
-            if plan is None or not plan.blocks:
-                raise ValueError(f"{type(self).__name__}: activation_checkpointing needs a model that declares its"
-                                 f" blocks (parallel_plan().blocks); {type(module).__name__} declares none")
+        if self.activation_checkpointing and not resolve_plan(module).plan.blocks:
+            raise ValueError(f"{type(self).__name__}: activation_checkpointing found no blocks in "
+                             f"{type(module).__name__} (no declared plan, no repeated children, no large submodule)")
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -90,15 +93,43 @@ class ParStrategyMixin:
         return ChildCommandLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
                                     child_command=self.child_command, child_cwd=self.child_cwd)
 
-    # -------------------------------------------------------------------- techniques
-    def _apply_activation_checkpointing(self, module: nn.Module) -> None:
-        if not self.activation_checkpointing:
-            return
-        plan = model_plan(module)
-        if plan is None or not plan.blocks:
-            raise ValueError(f"{type(self).__name__}: activation_checkpointing needs a model that declares its"
-                             " blocks (parallel_plan().blocks); this model declares none")
-        apply_activation_checkpointing(module, blocks=plan.blocks)
+    # ---------------------------------------------------------------------- the model
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Where ``configure_model()`` (and ``trainer.init_module()``) build the model: on the meta
+        device unless ``empty_init=False``. ``setup`` applies the techniques to the meta model and
+        then materialises only this rank's part with the model's own initialisation."""
+        device = nullcontext() if empty_init is False else torch.device("meta")
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    def techniques(self, module: nn.Module, resolved: ResolvedPlan) -> dict[str, Any]:
+        """This strategy's steps of ``parallelize`` beyond checkpointing and compile (``Techniques``
+        fields: ``cut``, ``tensor_parallel``, ``fully_shard``); none by default."""
+        return {}
+
+    def prepare_model(self, module: nn.Module) -> list[nn.Module]:
+        """Check the model, then apply every technique in ``parallelize``'s one order (the first thing
+        ``setup`` does; Lightning's DDP wrapping and the optimizers come after). Returns this rank's
+        stage modules (``[module]`` without a pipeline)."""
+        try:
+            self.validate_setup(self.world_size, module)
+        except ValueError as e:  # a user's own Trainer: the same one line as the app's pre-launch check
+            raise ConfigError(str(e)) from None
+        resolved = resolve_plan(module)
+        self.model_facts = {"n_params": sum(p.numel() for p in module.parameters()), "units_rule": resolved.units_rule,
+                            "plan_source": resolved.source}
+        seed = int(self.broadcast(torch.initial_seed() % (1 << 31)))  # one seed: the same weights on every rank
+        spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
+                          activation_checkpointing=self.activation_checkpointing,
+                          own_checkpointing=checkpointing_fn_of(module), compile=self.compile,
+                          **self.techniques(module, resolved))
+        stages = parallelize(module, spec)
+        if isinstance(module, FSDPModule):
+            for name in _STEP_METHODS:
+                if callable(getattr(module, name, None)):
+                    register_fsdp_forward_method(module, name)
+        return stages
 
     def _replace_optimizer(self, index: int, new: torch.optim.Optimizer) -> None:
         """Swap optimizer ``index`` for ``new`` (same param groups), re-pointing its LR schedulers."""
@@ -121,7 +152,7 @@ class ParStrategyMixin:
         return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}
 
     def describe(self) -> dict[str, Any]:
-        return {"mesh": self.mesh_sizes}
+        return {"mesh": self.mesh_sizes, **self.model_facts}
 
 
 def _optimizer_states(opt: Any) -> Iterator[dict]:
@@ -138,7 +169,7 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
     move to the device, ``parallelize``, optimizers -- so sharding sees the final modules and dtypes.
 
     Args:
-        activation_checkpointing: recompute each declared block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
     """
@@ -166,19 +197,10 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
         rank, size = dp_coordinates(self._device_mesh, self.dims_for(self.world_size))
         return {"num_replicas": size, "rank": rank}
 
-    def parallelize(self, module: nn.Module) -> None:
-        """Shard ``module`` in place on ``self.device_mesh`` (default: nothing)."""
-
-    #: False where ``parallelize`` applies activation checkpointing itself (after TP, torchtitan's order)
-    _checkpoint_before_parallelize = True
-
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
-        if self._checkpoint_before_parallelize:
-            self._apply_activation_checkpointing(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.parallelize(self.lightning_module)
+        self.prepare_model(self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

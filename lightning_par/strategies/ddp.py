@@ -42,7 +42,7 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
         gradient_as_bucket_view: let ``.grad`` alias the communication buckets (saves one gradient copy).
         static_graph: the graph is the same every step (enables DDP's optimizations).
         find_unused_parameters: tolerate parameters that get no gradient (slower).
-        activation_checkpointing: recompute each declared block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
     """
 
@@ -87,5 +87,5 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
 
     @override
     def setup(self, trainer: Any) -> None:
-        self._apply_activation_checkpointing(self.lightning_module)
-        super().setup(trainer)
+        self.prepare_model(self.lightning_module)  # checkpointing, compile, materialisation (parallelize's order)
+        super().setup(trainer)  # Lightning's: device, (DDP wrapper), optimizers

@@ -21,17 +21,15 @@ from datetime import timedelta
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
 
-from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
+from lightning_par.parallel.discovery import ResolvedPlan
+from lightning_par.parallel.fsdp import resolve_units
 from lightning_par.parallel.mesh import ParallelDims
-from lightning_par.strategies.base import ShardedStrategy, model_plan
+from lightning_par.parallel.parallelize import FullyShard
+from lightning_par.strategies.base import ShardedStrategy
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
-# LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
-# call submodules directly instead of ``self(...)``
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
@@ -46,7 +44,9 @@ class FSDPStrategy(ShardedStrategy):
     """Fully sharded data parallel (FSDP2), optionally hybrid (HSDP).
 
     Args:
-        units: the modules sharded as units -- ``"blocks"`` (the model plan's repeated blocks), a
+        units: the modules sharded as units -- ``"blocks"`` (the model's blocks: declared, a Hugging
+            Face model's ``_no_split_modules``, its repeated children, or size-based; see
+            ``parallel/discovery.py``), a
             class name (every submodule of that class), an int (minimum parameters per unit, size
             based), or a list of module paths. The root module always takes what no unit claimed.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); False keeps them
@@ -58,7 +58,7 @@ class FSDPStrategy(ShardedStrategy):
         cpu_offload: keep parameter shards, gradients and optimizer state in host memory; the
             optimizer step runs on the host.
         replicate: HSDP replica groups (1: plain FSDP); must divide the world size.
-        activation_checkpointing: recompute each declared block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
     """
@@ -99,24 +99,20 @@ class FSDPStrategy(ShardedStrategy):
             raise ValueError(f"{type(self).__name__}: prefetch must be an integer >= 0, got {self.prefetch!r}")
         self.unit_paths(module)
 
-    def unit_paths(self, module: nn.Module) -> list[str]:
-        """Module paths of the FSDP units for ``module`` (raises ValueError naming the model's blocks)."""
+    def unit_paths(self, module: nn.Module) -> list[str] | None:
+        """Module paths of the FSDP units for ``module`` (None: the model's blocks, resolved by
+        ``parallel/discovery.py``); raises ValueError naming the model's block classes."""
         if self.units == "blocks":
-            plan = model_plan(module)
-            if plan is None or not plan.blocks:
-                raise ValueError(f"{type(self).__name__}: units='blocks' needs a model that declares its blocks "
-                                 f"(parallel_plan().blocks); {type(module).__name__} declares none -- set "
-                                 "strategy.units to a class name or a minimum parameter count")
-            return list(plan.blocks)
+            return None
         return resolve_units(module, self.units)
 
     # ------------------------------------------------------------------------ sharding
-    def parallelize(self, module: nn.Module) -> None:
-        apply_fsdp(module, mesh=self.device_mesh, units=self.unit_paths(module),
-                   reshard_after_forward=self.reshard_after_forward,
-                   param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
-                   reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"),
-                   cpu_offload=self.cpu_offload, prefetch=self.prefetch)
-        for name in _STEP_METHODS:
-            if callable(getattr(module, name, None)):
-                register_fsdp_forward_method(module, name)
+    def techniques(self, module: nn.Module, resolved: ResolvedPlan) -> dict:
+        # units given by class name or size are resolved when FSDP is applied (after checkpointing
+        # has wrapped the blocks, which changes paths below them)
+        return {"fully_shard": FullyShard(
+            mesh=self.device_mesh, units=None if self.units == "blocks" else self.units,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
+            reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"),
+            cpu_offload=self.cpu_offload, prefetch=self.prefetch)}

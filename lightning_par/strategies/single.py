@@ -21,7 +21,7 @@ class SingleDeviceStrategy(ParStrategyMixin, DistributedCheckpointMixin, _Lightn
 
     Args:
         device: ``"auto"`` or a torch device string.
-        activation_checkpointing: recompute each declared block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward.
     """
 
     strategy_name = "lp_single"
@@ -41,5 +41,5 @@ class SingleDeviceStrategy(ParStrategyMixin, DistributedCheckpointMixin, _Lightn
 
     @override
     def setup(self, trainer: Any) -> None:
-        self._apply_activation_checkpointing(self.lightning_module)
-        super().setup(trainer)
+        self.prepare_model(self.lightning_module)  # checkpointing, compile, materialisation (parallelize's order)
+        super().setup(trainer)  # Lightning's: device, (DDP wrapper), optimizers

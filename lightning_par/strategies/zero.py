@@ -80,7 +80,7 @@ class Zero2Strategy(ShardedStrategy):
     Only norm clipping exists.
 
     Args:
-        activation_checkpointing: recompute each declared block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
     """
 
@@ -161,7 +161,7 @@ class Zero3Strategy(FSDPStrategy):
     one unit of prefetch, fp32 (use Lightning's ``trainer.precision`` for mixed precision).
 
     Args:
-        activation_checkpointing: recompute each declared block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
     """
 
@@ -181,7 +181,7 @@ class Zero3OffloadStrategy(Zero3Strategy):
     copied back, and the optimizer step runs on the host (FSDP2's ``CPUOffloadPolicy``).
 
     Args:
-        activation_checkpointing: recompute each declared block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
     """
 
