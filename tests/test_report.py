@@ -1,30 +1,25 @@
-"""experiments/report.py on hand-made summaries (every contract key, pipelines with a bubble, offload,
-nulls, failed jobs) and on real sweeps of run.py; and robust sweeps: a failing job leaves error.json,
-the other jobs still run, the sweep exits nonzero, a single run still exits 2 on a ConfigError."""
+"""lightning_par/report.py (``lightning-par-report``) on hand-made summaries (every contract key, pipelines
+with a bubble, offload, nulls, failed jobs) and on real sweeps; and robust jobs: every failure leaves
+error.json, the other jobs of a sweep still run (a BaseException such as torch's CheckpointException
+included), the sweep exits nonzero, a single run exits 2 on a ConfigError, and torchrun does not restart
+a run whose configuration is wrong."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import lightning_par.report as report
 from lightning_par.callbacks import CONTRACT_KEYS
 from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
 
-REPORT = ROOT / "experiments" / "report.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _load_report_module():
-    spec = importlib.util.spec_from_file_location("lp_report", REPORT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["lp_report"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def fake_summary(strategy: str, world: int, *, mesh: dict | None = None, n_steps: int = 12, start: float = 5.5,
@@ -50,8 +45,9 @@ def _write(job_dir: Path, name: str, data) -> None:
     (job_dir / name).write_text(json.dumps(data) if not isinstance(data, str) else data)
 
 
-def _run_report(sweep: Path, out: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPORT), str(sweep)] + (["--out", str(out)] if out else [])
+def _run_report(sweep: Path, out: Path | None = None, timeout: float = 120,
+                entry: tuple[str, ...] = ("-m", "lightning_par.report")) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, *entry, str(sweep)] + (["--out", str(out)] if out else [])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -124,12 +120,43 @@ def test_plots_without_data_are_skipped(tmp_path):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert _run_report(empty).returncode == 1
+    assert _run_report(empty).returncode == 1 and not (empty / "report.md").exists()
     assert _run_report(tmp_path / "missing").returncode == 2
+    # the old command line still works
+    old = _run_report(sweep, tmp_path / "old", entry=(str(ROOT / "experiments" / "report.py"),))
+    assert old.returncode == 0 and (tmp_path / "old" / "report.md").exists(), old.stderr
+
+
+def test_report_of_failed_jobs_only_builds_and_exits_0(tmp_path):
+    sweep = tmp_path / "sweep"
+    _write(sweep / "0", "error.json", {"error": "rank 0: UnpicklingError: bad shard", "type": "CheckpointException",
+                                       "overrides": ["ckpt_path=/x"]})
+    _write(sweep / "1", "error.json", {"error": "unknown strategy 'zer3'", "type": "ConfigError", "overrides": []})
+    proc = _run_report(sweep)
+    assert proc.returncode == 0, proc.stderr
+    assert "0 run(s), 2 failed job(s)" in proc.stdout
+    assert "failed: 0: CheckpointException: rank 0: UnpicklingError: bad shard" in proc.stdout
+    md = (sweep / "report.md").read_text()
+    assert "- `0`: CheckpointException: rank 0: UnpicklingError: bad shard  (overrides: `ckpt_path=/x`)" in md
+    assert "- `1`: ConfigError: unknown strategy 'zer3'" in md and "## Runs" not in md
+
+
+def test_a_plot_that_fails_does_not_lose_the_report(tmp_path, monkeypatch, capsys):
+    sweep = tmp_path / "sweep"
+    _write(sweep / "0", "summary.json", fake_summary("ddp", 2))
+
+    def broken(runs, out):
+        raise ValueError("cannot draw this")
+
+    monkeypatch.setattr(report, "PLOTS", (("Broken", broken), *report.PLOTS))
+    assert report.main([str(sweep)]) == 0
+    assert "warning: plot not drawn: Broken: ValueError: cannot draw this" in capsys.readouterr().err
+    md = (sweep / "report.md").read_text()
+    assert "| 0 | ddp | 2 |" in md and "- not drawn: Broken: ValueError: cannot draw this" in md
+    _assert_pngs(sweep, ["memory.png", "speed.png", "loss.png"])  # the other plots are still drawn
 
 
 def test_bubble_keys_read_defensively():
-    report = _load_report_module()
     b = report.bubble_of({"bubble": {"measured": 0.3, "per_stage": [0.1, 0.2, 0.4], "microbatches": 6}})
     assert b["stages"] == 3 and b["microbatches"] == 6 and b["theory"] is None
     assert report.bubble_of({"bubble": {"measured": None}}) is None
@@ -205,3 +232,63 @@ def test_single_run_config_error_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
     err = json.loads((tmp_path / "error.json").read_text())
     assert err["type"] == "ConfigError" and "data.global_batch_size=7" in err["overrides"]
+
+
+class FailLikeCheckpointSave:
+    """A callback whose save fails the way torch.distributed.checkpoint fails: with its
+    ``CheckpointException``, a BaseException (not an Exception) that wraps each rank's error."""
+
+    def __new__(cls, fail: bool):
+        import traceback
+
+        import lightning as L
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        class _Callback(L.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                if fail and trainer.global_step == 2:
+                    raise CheckpointException("save failed", {0: (OSError("No space left on device"),
+                                                                  traceback.StackSummary())})
+
+        return _Callback()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_exception_fails_only_its_job(tmp_path):
+    """Hydra's launcher records only Exceptions as failed jobs; a CheckpointException in job 0 must
+    still leave error.json there and let job 1 run."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", *QUICK, "+callbacks.save._target_=tests.test_report.FailLikeCheckpointSave",
+                    "+callbacks.save.fail=true,false", f"hydra.sweep.dir={sweep}"], sweep, timeout=300, check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    err = json.loads((sweep / "0" / "error.json").read_text())
+    assert err["type"] == "CheckpointException" and err["error"] == "rank 0: OSError: No space left on device", err
+    assert "+callbacks.save.fail=True" in err["overrides"] and not (sweep / "0" / "summary.json").exists()
+    assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 12, proc.stderr[-3000:]
+    assert "error: job 0: CheckpointException: rank 0: OSError: No space left on device" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("bad", [["data.global_batch_size=7"], ["strategy=zer3"]], ids=["in_job", "precheck"])
+def test_torchrun_does_not_restart_a_config_error(tmp_path, bad):
+    """torchrun --max-restarts=3 restarts the workers after any failure; a configuration error would fail
+    every attempt the same way, so it must end the run at once: one attempt, a nonzero exit, error.json."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+           "--monitor-interval=0.5", "-m", "lightning_par", *QUICK, "strategy=ddp", "trainer.devices=2", *bad,
+           f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert 1 <= len(errors) <= 2, log[-3000:]  # one attempt: at most one line per rank, not one per restart
+    assert "will restart worker group" not in log, log[-3000:]
+    if bad == ["strategy=zer3"]:  # refused before Hydra made a run directory
+        assert errors[0].startswith("error: unknown strategy 'zer3'; choose from: ") and not run_dir.exists()
+    else:
+        assert "global_batch_size=7" in errors[0]
+        err = json.loads((run_dir / "error.json").read_text())
+        assert err["type"] == "ConfigError" and "data.global_batch_size=7" in err["overrides"], err
