@@ -1,10 +1,16 @@
 """Sharded, strategy-neutral checkpoints through ``torch.distributed.checkpoint`` (DCP), and a
 training dataloader that resumes mid-epoch.
 
-One format for every strategy. A checkpoint is a directory (Lightning's ``ModelParallelStrategy``
-layout): DCP shard files plus ``.metadata``, holding ``state_dict`` (model state) and
-``optimizer_0``, ``optimizer_1``, ... (optimizer states), and ``meta.pt`` (everything else Lightning
-saves: loops, callbacks, LR schedulers, hyperparameters), written by global rank 0. Model and
+One format for every strategy. A checkpoint is a directory in the layout of Lightning's sharded
+checkpoints (its ``FSDPStrategy``'s): DCP shard files plus ``.metadata``, holding ``model`` (model
+state) and ``optimizer_0``, ``optimizer_1``, ... (optimizer states), and ``meta.pt`` (everything
+else Lightning saves: loops, callbacks, LR schedulers, hyperparameters), written by global rank 0.
+Everything saved is plain Python (dict, list, tuple, str, numbers, None) or tensors -- OmegaConf
+containers from Hydra-instantiated arguments are converted at save time (``plain``) -- so
+``torch.load(weights_only=True)`` reads ``meta.pt``, and Lightning's own
+``python -m lightning.pytorch.utilities.consolidate_checkpoint <dir>`` turns a checkpoint into one
+``torch.load``-able file (``state_dict``, ``optimizer_states`` and the rest, as a Lightning
+checkpoint). Checkpoints written with the older model key ``state_dict`` still load. Model and
 optimizer states use the canonical layout of ``torch.distributed.checkpoint.state_dict``: keyed by
 parameter FQN (``net.blocks.0.attn.wq.weight``; wrapper prefixes such as activation
 checkpointing's are removed), optimizer state ``{"state": {fqn: {"step", "exp_avg", ...}},
@@ -28,6 +34,7 @@ so the position survives a change of world size -- and skips them when the epoch
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -37,7 +44,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,9 +55,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_par import ConfigError
+
 # wrapper prefixes that module FQNs lose in the canonical layout (activation checkpointing, torch.compile, FSDP1)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-MODEL_KEY = "state_dict"
+#: the model's key in the DCP payload: Lightning's sharded layout (its consolidate tool renames it to state_dict)
+MODEL_KEY = "model"
+_LEGACY_MODEL_KEY = "state_dict"  # what lightning_par wrote before; still loaded
+#: ``ckpt_path`` values Lightning resolves itself (not paths)
+_LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from (missing, incomplete, damaged); one line naming the file."""
 
 
 def canonical_fqn(name: str) -> str:
@@ -60,6 +79,91 @@ def canonical_fqn(name: str) -> str:
 def is_sharded_checkpoint(path: str | Path) -> bool:
     path = Path(path)
     return path.is_dir() and (path / ".metadata").is_file()
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` with every container made plain Python, so ``torch.load(weights_only=True)`` reads it
+    back: OmegaConf containers (what Hydra passes to constructors, hence what ``save_hyperparameters``
+    records) become dicts/lists, other mappings dicts, paths strings, named tuples tuples. Tensors
+    (DTensors included) and scalars are kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(obj, resolve=True)
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [plain(v) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(plain(v) for v in obj)
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    return obj
+
+
+def _cause(exc: BaseException, limit: int = 200) -> str:
+    """The informative line of ``exc``'s message (torch's safe-loading errors bury it mid-text; DCP
+    wraps each rank's error with its traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        rank, wrapped = min(failures.items(), key=lambda item: item[0])
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {type(inner).__name__}: {_cause(inner, limit)}"
+    text = " ".join(str(exc).split())
+    for marker in ("Unsupported global:", "Unsupported operand"):
+        if marker in text:
+            text = text[text.index(marker):]
+            break
+    text = text.split(". ", 1)[0] or type(exc).__name__  # the first sentence
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_checkpoint(path: str | Path | None) -> None:
+    """Raise ``CheckpointError`` (one line naming the file) unless ``path`` is a complete, readable
+    lightning_par checkpoint directory. Cheap (reads ``.metadata`` and ``meta.pt``, stats the shard
+    files), so it runs before any process starts; ``None`` and Lightning's names (``last``, ``best``,
+    ``hpc``) pass. Damage it finds: a missing or empty directory, no ``.metadata`` (DCP writes it
+    last, so a checkpoint cut off mid-save has none), a ``.metadata`` DCP cannot read, a shard file
+    missing or shorter than ``.metadata`` says, no model state, a missing or unreadable ``meta.pt``."""
+    if path is None or str(path) in _LIGHTNING_CKPT_NAMES:
+        return
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a file; lightning_par resumes from checkpoint directories "
+                              f"(DCP shard files, .metadata and {_METADATA_FILENAME})")
+    metadata_file = path / ".metadata"
+    if not metadata_file.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no .metadata (written last, after every shard)")
+    for name in (".metadata", _METADATA_FILENAME):
+        if (path / name).is_file() and (path / name).stat().st_size == 0:
+            raise CheckpointError(f"checkpoint file {path / name} is empty")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle means the file is damaged
+        raise CheckpointError(f"checkpoint file {metadata_file} is damaged: {_cause(e)}") from None
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"checkpoint file {shard} is missing (listed in {metadata_file})")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"checkpoint file {shard} is truncated: {shard.stat().st_size} bytes, "
+                                  f".metadata needs {size}")
+    saved = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+    if not saved & {MODEL_KEY, _LEGACY_MODEL_KEY}:
+        raise CheckpointError(f"checkpoint {path} holds no model state (keys: {', '.join(sorted(saved)) or 'none'})")
+    meta_file = path / _METADATA_FILENAME
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint file {meta_file} is missing")
+    try:
+        torch.load(meta_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated zip, empty file, unsafe pickle: all unreadable
+        raise CheckpointError(f"checkpoint file {meta_file} is damaged or not safely loadable: {_cause(e)}") from None
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
@@ -177,12 +281,12 @@ class DistributedCheckpointMixin:
         path = Path(self.broadcast(str(filepath)))
         states = {MODEL_KEY: checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            states[f"optimizer_{i}"] = opt_state
+            states[f"optimizer_{i}"] = plain(opt_state)
         if self.is_global_zero:
             if path.exists():  # a stale file, or a checkpoint written by more ranks
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             path.mkdir(parents=True)
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+            torch.save(plain(checkpoint), path / _METADATA_FILENAME)
         self.barrier()
         # DCP writes ``.metadata`` last, after every rank's shards: its presence marks a complete checkpoint
         dcp.save(states, checkpoint_id=path)
@@ -195,22 +299,28 @@ class DistributedCheckpointMixin:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not is_sharded_checkpoint(path) or not (path / _METADATA_FILENAME).is_file():
-            raise FileNotFoundError(f"{path} is not a lightning_par checkpoint (a directory with DCP shards, "
-                                    f".metadata and {_METADATA_FILENAME})")
+        check_checkpoint(path)  # again here: a run started without the launcher's check gets the same one line
         saved = {k.split(".", 1)[0] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+        model_key = MODEL_KEY if MODEL_KEY in saved else _LEGACY_MODEL_KEY
         module = self.lightning_module
         optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_0" in saved else []
-        templates: dict[str, Any] = {MODEL_KEY: get_model_state_dict(module)}
+        templates: dict[str, Any] = {model_key: get_model_state_dict(module)}
         for i, opt in enumerate(optimizers):
             templates[f"optimizer_{i}"] = self.optimizer_state_template(opt)
-        dcp.load(templates, checkpoint_id=path)
-        set_model_state_dict(module, templates[MODEL_KEY],
+        try:
+            dcp.load(templates, checkpoint_id=path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
+            raise CheckpointError(f"cannot load checkpoint {path} (damaged shard files, or a model it does not fit): "
+                                  f"{_cause(e)}") from None
+        set_model_state_dict(module, templates[model_key],
                              options=StateDictOptions(strict=getattr(module, "strict_loading", True)))
         for i, opt in enumerate(optimizers):
             self.load_optimizer_state(opt, templates[f"optimizer_{i}"])
-        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu",
-                          weights_only=False if weights_only is None else weights_only)
+        meta_file = path / _METADATA_FILENAME
+        try:
+            meta = torch.load(meta_file, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint file {meta_file} is damaged or not safely loadable: {_cause(e)}") from None
         self.barrier()
         return meta
 
@@ -246,5 +356,5 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-__all__ = ["DistributedCheckpointMixin", "ResumableLoader", "canonical_fqn", "initialize_optimizer_state",
-           "is_sharded_checkpoint", "module_fqns"]
+__all__ = ["CheckpointError", "DistributedCheckpointMixin", "ResumableLoader", "canonical_fqn", "check_checkpoint",
+           "initialize_optimizer_state", "is_sharded_checkpoint", "module_fqns", "plain"]
