@@ -57,13 +57,16 @@ def _check_ddp2_summary(path: Path) -> dict:
 def test_submitit_launcher_sweep(slurm, tmp_path):
     """Two sweep points = two Slurm jobs of 2 tasks each; the one with an impossible batch fails with
     error.json, the other trains to a summary, and the sweep exits nonzero."""
+    import hydra_plugins.hydra_submitit_launcher  # noqa: F401 -- the plugin itself; missing, this test errors
+
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=slurm", *DDP2, "data.global_batch_size=7,8",
            f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(slurm), capture_output=True, text=True, timeout=600)
     logs = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sweep.glob(".submitit/*/*_log.*"))
     detail = f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n{logs[-8000:]}\n{slurm.logs(20)}"
-    assert proc.returncode != 0, detail  # one job failed
+    # one job failed, and it is the bad batch that failed it, not a launcher that could not start
+    assert proc.returncode != 0 and "global_batch_size=7 is not divisible" in proc.stderr, detail
     jobs = {tuple(_overrides(d)): d for d in sweep.iterdir() if d.is_dir() and d.name.isdigit()}
     assert len(jobs) == 2, detail
     good = next(d for o, d in jobs.items() if "data.global_batch_size=8" in o)
