@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning_par import ConfigError
+
 ERROR_FILE = "error.json"
 _RANK_ENV = ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
 
@@ -78,6 +80,8 @@ def record_failure(exc: BaseException, output_dir: str | os.PathLike | None = No
     out = output_dir if output_dir is not None else job.get("output_dir")
     if out is None:
         return None
+    if isinstance(root_error(exc), RunDirInUse):
+        return None
     path = Path(out) / ERROR_FILE
     rank = global_rank()
     if rank != 0 and path.exists():
@@ -109,8 +113,9 @@ def clear_failure(output_dir: str | os.PathLike) -> None:
 LOCK_FILE = ".lightning_par.lock"
 
 
-class RunDirInUse(RuntimeError):
-    """Another live run holds the run directory."""
+class RunDirInUse(ConfigError):
+    """Another live run holds the run directory (a one-line error before any process starts; the
+    refused run writes no error.json there: the directory is the other run's)."""
 
 
 class RunDirLock:

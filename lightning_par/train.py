@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_par import ConfigError
 from lightning_par.callbacks.guard import RunGuard, RunStopped
-from lightning_par.jobs import RunDirInUse, RunDirLock, clear_failure
+from lightning_par.jobs import RunDirLock, clear_failure
 from lightning_par.parallel.elastic import init_elastic_process_group
 
 PRECISIONS = tuple(p for p in typing.get_args(_PRECISION_INPUT_STR) if not p.startswith("transformer"))
@@ -150,7 +150,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         cause = e.__cause__ or e
         raise ConfigError(f"{type(cause).__name__}: {cause}") from None
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    from lightning_par.loggers import build_loggers, log_run_config
+
+    logger = log_run_config(build_loggers(cfg.get("logger")), cfg, strategy)
     return dict(strategy=strategy, model=model, datamodule=datamodule, callbacks=callbacks, logger=logger)
 
 
@@ -173,10 +175,7 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     owner = not child and _env_rank() == 0  # the process that holds the run directory
     lock = RunDirLock(out_dir) if owner else None
     if lock is not None:
-        try:
-            lock.acquire()
-        except RunDirInUse as e:
-            raise ConfigError(str(e)) from None
+        lock.acquire()  # RunDirInUse (a ConfigError) when another live run holds the directory
     try:
         if owner:
             check_writable(out_dir, "output")
@@ -210,10 +209,10 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
 def with_guard(callbacks: list[Any]) -> list[Any]:
     """The callbacks, with a ``RunGuard`` (safe SIGTERM stop, non-finite loss check) appended when the
     config has none (e.g. ``callbacks=none``): without it Lightning's own SIGTERM handling would run,
-    and that deadlocks multi-process runs (see callbacks/guard.py)."""
-    if any(isinstance(cb, RunGuard) for cb in callbacks):
-        return list(callbacks)
-    return [*callbacks, RunGuard()]
+    and that deadlocks multi-process runs (see callbacks/guard.py). The guard goes last: its stop
+    checkpoint must see this step's loss already recorded by the summary callback."""
+    guards = [cb for cb in callbacks if isinstance(cb, RunGuard)] or [RunGuard()]
+    return [cb for cb in callbacks if not isinstance(cb, RunGuard)] + guards
 
 
 def checkpoint_dirs(callbacks: list[Any], out_dir: str) -> list[str]:

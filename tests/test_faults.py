@@ -28,7 +28,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from lightning_par import ConfigError
 from lightning_par.callbacks.summary import json_safe
+from lightning_par.data import TextDataModule
 from lightning_par.jobs import LOCK_FILE, RunDirInUse, RunDirLock
 from lightning_par.train import _write_child_config, latest_checkpoint
 from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
@@ -160,6 +162,8 @@ def test_json_safe_replaces_nonfinite_numbers():
 
 
 # ------------------------------------------------------------------------------------------ run directory
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
     held = RunDirLock(tmp_path).acquire()
     with pytest.raises(RunDirInUse, match=rf"in use by another run \(pid {os.getpid()} on "):
@@ -193,6 +197,7 @@ def test_second_live_run_into_a_run_dir_is_refused_in_one_line(tmp_path):
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and f"run directory {tmp_path} is in use by another run (pid {os.getpid()}" in lines[0]
     assert not list((tmp_path / ".hydra").glob("resolved-*.yaml"))  # refused before any rank was started
+    assert not (tmp_path / "error.json").exists()  # and it leaves no record in the other run's directory
 
 
 # ----------------------------------------------------------------------------------------- ckpt_path=auto
@@ -230,16 +235,80 @@ def test_unwritable_checkpoint_dir_is_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["empty", "unreadable"])
-def test_bad_data_file_is_one_line_naming_it(tmp_path, kind):
+def test_empty_data_file_is_one_line_naming_it(tmp_path):
     path = tmp_path / "corpus.txt"
-    if kind == "empty":
-        path.write_bytes(b"")
-        expected = f"data file {path} is empty"
-    else:
-        path.symlink_to(tmp_path / "gone.txt")  # a dangling link (permissions would not stop root)
-        expected = f"cannot read data file {path}"
+    path.write_bytes(b"")
     proc = run_cli([*DDP2, f"data.files={path}"], tmp_path / "run", timeout=90, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert len(lines) == 1 and f"data file {path} is empty" in lines[0], proc.stderr
+
+
+def test_unreadable_data_file_is_named_when_the_data_is_configured(tmp_path):
+    gone = tmp_path / "corpus.txt"
+    gone.symlink_to(tmp_path / "deleted.txt")  # a dangling link: permissions would not stop root
+    with pytest.raises(ConfigError, match=f"^cannot read data file {gone}: No such file or directory$"):
+        TextDataModule(files=str(gone))
+    ok = tmp_path / "ok"
+    (ok / "sub").mkdir(parents=True)  # directories a pattern matches are not files to read
+    (ok / "empty.txt").write_bytes(b"")
+    (ok / "sub" / "text.txt").write_bytes(b"hello world")
+    TextDataModule(files=str(ok / "**"))  # one empty file among readable ones is fine
+    with pytest.raises(ConfigError, match=f"^data file {ok / 'empty.txt'} is empty$"):
+        TextDataModule(files=str(ok / "empty.txt"))
+
+
+# ------------------------------------------------------------------------------- orphaned children
+_LAUNCH_AND_WAIT = """
+import sys, time
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning_par.strategies.launcher import ChildCommandLauncher
+launcher = ChildCommandLauncher(LightningEnvironment(), num_processes=2, num_nodes=1,
+                                child_command=[sys.executable, "-c", "import time; time.sleep(120)"])
+launcher._call_children_scripts()
+print(launcher.procs[0].pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(120)
+def test_children_die_with_a_killed_launching_process():
+    parent = subprocess.Popen([sys.executable, "-c", _LAUNCH_AND_WAIT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()  # SIGKILL: no Python code runs in the parent, no reaper, no observer
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the child rank outlived its killed parent"
+    finally:
+        parent.kill()
+
+
+def test_requeue_signal_runs_lightnings_slurm_requeue_then_stops():
+    from types import SimpleNamespace
+
+    from lightning_par.callbacks.guard import _REQUEUE, RunGuard, RunStopped
+
+    calls = []
+    trainer = SimpleNamespace(global_step=42, default_root_dir="/runs/7", is_global_zero=True,
+                              _signal_connector=SimpleNamespace(_slurm_sigusr_handler_fn=lambda s, f: calls.append(s)))
+    guard = RunGuard()
+    guard._handler(_REQUEUE)(signal.SIGUSR1, None)  # what the installed handler does: only a flag
+    assert calls == [] and guard._signal == _REQUEUE
+    with pytest.raises(RunStopped, match="requeued with Slurm after step 42"):
+        guard._act(trainer, 0.0, guard._signal, 42)
+    assert calls == [signal.SIGUSR1]  # Lightning's handler: hpc checkpoint + scontrol requeue

@@ -18,7 +18,9 @@ A job owns its children from start to end, on every exit path:
   this job's ``error.json`` while the sweep goes on.
 - The observer is retired and the children are reaped (waited for, killed after a grace period) in
   a ``finally``: after success, an exception, or a stop on SIGTERM. (Lightning leaves its observer
-  running; in a multirun it outlived its job and killed the parent during the next one.)
+  running; in a multirun it outlived its job and killed the parent during the next one.) Where the
+  main process dies without running any code (SIGKILL), Linux kills the children with it
+  (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -108,7 +110,9 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             result = function(*args, **kwargs)
             ok = True
         except BaseException as e:
-            if observer is not None:
+            # an error every rank raised at the same step (a non-finite loss, a stop on SIGTERM) is the
+            # job's own; otherwise a child that died explains why rank 0's collective failed
+            if observer is not None and not getattr(e, "all_ranks", False):
                 self._settle(observer)
                 if observer.dead is not None:
                     rank, code = observer.dead
@@ -157,5 +161,18 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             child_env = os.environ.copy()
             child_env["LOCAL_RANK"] = str(local_rank)
             child_env["RANK"] = str(env.node_rank() * self.num_processes + local_rank)  # for error.json's rank
-            self.procs.append(subprocess.Popen(self.child_command, env=child_env, cwd=self.child_cwd))
+            self.procs.append(subprocess.Popen(self.child_command, env=child_env, cwd=self.child_cwd,
+                                               preexec_fn=_die_with_parent))
         return None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGKILL this process when the launching process dies, so a
+    job whose main rank was killed outright (SIGKILL, the OOM killer, SIGTERM before training started)
+    leaves no ranks waiting in a collective until the 30-minute timeout."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the observer and reaper still cover the usual paths
+        pass
