@@ -312,3 +312,33 @@ def test_requeue_signal_runs_lightnings_slurm_requeue_then_stops():
     with pytest.raises(RunStopped, match="requeued with Slurm after step 42"):
         guard._act(trainer, 0.0, guard._signal, 42)
     assert calls == [signal.SIGUSR1]  # Lightning's handler: hpc checkpoint + scontrol requeue
+
+
+_DEAD_BEFORE_RENDEZVOUS = """
+import datetime, sys
+from types import SimpleNamespace
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+import lightning_par.strategies.launcher as launcher_module
+launcher_module._NOTICE_S = launcher_module._GIVE_UP_S = 2.0  # instead of 60 + 30 s
+env = LightningEnvironment()
+launcher = launcher_module.ChildCommandLauncher(env, num_processes=2, num_nodes=1,
+                                                child_command=[sys.executable, "-c", "raise SystemExit(3)"])
+def rendezvous():  # rank 0 waits for a rank 1 that is already dead
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{env.main_port}", rank=0, world_size=2,
+                            timeout=datetime.timedelta(seconds=600))
+launcher.launch(rendezvous, trainer=SimpleNamespace(default_root_dir=sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_rank_dead_before_rendezvous_is_recorded_instead_of_a_hang(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _DEAD_BEFORE_RENDEZVOUS, str(tmp_path)], cwd=ROOT, timeout=100,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert time.monotonic() - start < 90  # not the rendezvous timeout (600 s here)
+    err = json.loads((tmp_path / "error.json").read_text())
+    assert err["type"] == "RankDied" and "rank 1 died (exit code 3) before the ranks connected" in err["error"], err
+    assert error_lines(proc.stderr) == [f"error: {err['error']}"]

@@ -15,7 +15,10 @@ A job owns its children from start to end, on every exit path:
   *and the main process* -- in a sweep that is the whole sweep. Ours (``_JobObserver``) kills the
   other children only and records which rank died; the main rank's pending collective then fails
   (its peers are gone) and the job raises ``RankDied`` naming the dead rank, which run.py turns into
-  this job's ``error.json`` while the sweep goes on.
+  this job's ``error.json`` while the sweep goes on. One case cannot be saved: a child that dies
+  before the ranks have connected leaves rank 0 in torch's rendezvous, which ignores signals; after
+  ``_NOTICE_S + _GIVE_UP_S`` seconds the observer writes the job's ``error.json`` and ends the
+  process (in a sweep, the sweep ends there) instead of waiting out the 30-minute timeout.
 - The observer is retired and the children are reaped (waited for, killed after a grace period) in
   a ``finally``: after success, an exception, or a stop on SIGTERM. (Lightning leaves its observer
   running; in a multirun it outlived its job and killed the parent during the next one.) Where the
@@ -40,8 +43,10 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 # seconds the children get to finish after rank 0's work returned, and after it failed
 _GRACE_OK_S = 120.0
 _GRACE_FAILED_S = 20.0
-# after a child died, seconds the main rank gets to notice (its collective fails) before it is interrupted
+# after a child died, seconds the main rank gets to notice (its collective fails) before it is
+# interrupted, and then before this process gives up on it (see _JobObserver.run)
 _NOTICE_S = 60.0
+_GIVE_UP_S = 30.0
 
 
 class RankDied(RuntimeError):
@@ -61,9 +66,11 @@ class _JobObserver(_ChildProcessObserver):
     """Lightning's observer, but a dead child fails only this job: the other children are killed,
     the main process is left alive (see the module docstring)."""
 
-    def __init__(self, child_processes: list[subprocess.Popen], sleep_period: float = 1.0) -> None:
+    def __init__(self, child_processes: list[subprocess.Popen], sleep_period: float = 1.0,
+                 output_dir: str | None = None) -> None:
         super().__init__(main_pid=os.getpid(), child_processes=child_processes, sleep_period=sleep_period)
         self.dead: tuple[int, int] | None = None  # (global rank, return code) of the first child that died
+        self.output_dir = output_dir
         self._retired = threading.Event()
 
     def _terminate_all(self) -> None:
@@ -76,13 +83,28 @@ class _JobObserver(_ChildProcessObserver):
 
     def run(self) -> None:
         super().run()
-        # gloo's pending collective fails at once when the peers' sockets close; a main rank blocked
-        # elsewhere (waiting for a rendezvous that can no longer complete) gets KeyboardInterrupt,
-        # delivered as soon as it runs Python code again
-        if self.dead is not None and not self._retired.wait(_NOTICE_S):
-            import _thread
+        if self.dead is None or self._retired.wait(_NOTICE_S):
+            return
+        # gloo's pending collective fails at once when the peers' sockets close. A main rank still
+        # blocked gets KeyboardInterrupt, delivered as soon as it runs Python code again ...
+        import _thread
 
-            _thread.interrupt_main()
+        _thread.interrupt_main()
+        if self._retired.wait(_GIVE_UP_S):
+            return
+        # ... but torch's rendezvous (a child that died before the ranks connected) waits in C++ and
+        # ignores signals until its 30-minute timeout. Record the job's failure and end the process:
+        # in a sweep this ends the sweep, with a record, rather than hanging it.
+        import sys
+
+        from lightning_par.jobs import record_failure
+
+        rank, code = self.dead
+        error = RankDied(f"rank {rank} died ({describe_exit(code)}) before the ranks connected; "
+                         "torch's rendezvous cannot be interrupted, so this process exits")
+        record_failure(error, self.output_dir)
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def retire(self) -> None:
         self._finished = True
@@ -102,7 +124,7 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         observer = None
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            observer = _JobObserver(self.procs)
+            observer = _JobObserver(self.procs, output_dir=getattr(trainer, "default_root_dir", None))
             observer.start()
         ok = False
         try:
