@@ -93,6 +93,8 @@ def _choices(override) -> Iterable[str]:
         return list(override.sweep_string_iterator())
     if override.is_sweep_override() or override.value() is None:  # glob()/interval(): not names; null
         return []
+    if isinstance(override.value(), list):  # several configs of one group: logger=[csv,tensorboard]
+        return [str(v) for v in override.value()]
     return [override.get_value_element_as_str()]
 
 

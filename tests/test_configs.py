@@ -89,9 +89,11 @@ def test_callbacks_yaml_instantiates(name, tmp_path):
 
 @pytest.mark.parametrize("name", names("logger"))
 def test_logger_yaml_instantiates(name, tmp_path):
+    from lightning_par.loggers import build_loggers  # each logger config sits under logger.<name>
+
     cfg = composed(f"logger={name}", tmp=tmp_path)
-    logger = instantiate(cfg.logger)
-    assert logger is None or isinstance(logger, L.pytorch.loggers.Logger)
+    (logger,) = build_loggers(cfg.logger)
+    assert isinstance(logger, L.pytorch.loggers.Logger)
 
 
 @pytest.mark.parametrize("name", names("experiment"))
