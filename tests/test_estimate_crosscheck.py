@@ -88,7 +88,9 @@ def test_hsdp_shards_within_its_group(model_facts):
     """hsdp on 4 ranks = 2 replicas x 2 shards: each rank holds what fsdp on 2 ranks holds."""
     n = model_facts["n"]
     exp = estimate(n, devices=2, strategy="fsdp", precision="32-true")
-    for m in four_ranks()["hsdp"]["memory"]:
+    memory = four_ranks()["hsdp"]["memory"]
+    assert len(memory) == 4  # one entry per rank: the loop below checks every one
+    for m in memory:
         _within(m["params"], exp.params, 0.01 * exp.params, "hsdp params")
         _within(m["optimizer_state"], exp.optimizer_state, 0.01 * exp.optimizer_state + 4 * model_facts["tensors"],
                 "hsdp optimizer state")
@@ -98,5 +100,7 @@ def test_zero3_offload_matches_the_offload_row(model_facts):
     n = model_facts["n"]
     exp = estimate(n, devices=2, strategy="zero3_offload", precision="32-true")
     assert (exp.params, exp.grads, exp.optimizer_state) == (0, 0, 0)  # nothing on the device
-    for m in two_ranks_accumulating()["zero3_offload"]["memory"]:
+    memory = two_ranks_accumulating()["zero3_offload"]["memory"]
+    assert len(memory) == 2  # one entry per rank: the loop below checks every one
+    for m in memory:
         _within(m["offloaded"], exp.offloaded, 0.01 * exp.offloaded + 4 * model_facts["tensors"], "offloaded")
