@@ -343,8 +343,10 @@ def test_llama_parity(strategy, tmp_path_factory):
 def test_gpt2_tied_parity(strategy, tmp_path_factory):
     ref = summary_of("hf_gpt2_tiny", "single", 1, tmp_path_factory)
     got = summary_of("hf_gpt2_tiny", strategy, PARITY[strategy], tmp_path_factory)
-    # a tied model has one embedding matrix fewer than an untied one; a silent untie shows in the memory
-    assert got["n_params"] == ref["n_params"]
+    # unsharded strategies hold each parameter once: an untied lm_head would add a vocab x hidden matrix
+    for summary in (ref, got) if strategy in ("ddp", "zero1", "zero2") else (ref,):
+        assert summary["memory"][0]["params"] == 4 * summary["n_params"], f"{summary['strategy']} untied the embeddings"
+    # and a tied model trains differently from an untied one, so parity means the tie held everywhere
     assert_losses_match(got, ref)
 
 
@@ -357,3 +359,15 @@ def test_gpt2_tied_model_parallel_is_refused(strategy, tmp_path):
     assert proc.returncode != 0
     line = [ln for ln in proc.stderr.splitlines() + proc.stdout.splitlines() if ln.startswith("error:")]
     assert line and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline"])
+def test_tied_llama_model_parallel_is_refused_before_it_unties(strategy, tmp_path):
+    """Llama has a TP plan and pipeline layers, so only the tie check can stop it (hf_plan.check_tied)."""
+    proc = run_cli(["model=hf_llama_tiny", "model.tie_word_embeddings=true", f"strategy={strategy}",
+                    "trainer.devices=2", *RUN], tmp_path, timeout=240, check=False)
+    assert proc.returncode != 0, "a tied model trained under " + strategy
+    out = proc.stdout + proc.stderr
+    assert "error:" in out and "tie_word_embeddings=false" in out, out[-2000:]
