@@ -6,6 +6,14 @@ FLOP counter (through Lightning's ``measure_flops``) run once on a meta-device c
 architecture -- forward and backward for the whole global batch, no real compute. MFU divides the
 achieved model FLOP/s by the device peak from Lightning's ``get_available_flops`` table times the
 number of ranks; where the peak is unknown (CPU), MFU is null. Per-step figures also go to the logger.
+
+Why not Lightning's ``ThroughputMonitor`` / ``Throughput`` (we do use their ``measure_flops`` and
+``get_available_flops``): (1) they turn per-device figures into global ones by multiplying by the
+world size, which over-counts samples and FLOPs by tp x pp under tensor and pipeline parallelism,
+where the ranks of one data-parallel group read the same batch -- here samples per step are the
+configured global batch, and FLOPs are counted once for it; (2) they report rolling means over a
+window of steps, while the run summary's ``step_time_s`` is the median after warm-up (robust to
+steps that include a checkpoint save or a validation pass), and a per-step value goes to the logger.
 """
 
 from __future__ import annotations
