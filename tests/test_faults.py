@@ -145,7 +145,7 @@ def test_nonfinite_loss_stops_or_warns_and_summary_stays_json(tmp_path):
     assert proc.returncode != 0, proc.stderr[-3000:]
     stop, warn = tmp_path / "0", tmp_path / "1"
     err = json.loads((stop / "error.json").read_text())
-    assert err["type"] == "NonFiniteLoss" and "non-finite training loss" in err["error"], err
+    assert err["type"] == "NonFiniteLoss" and "non-finite training loss (NaN or inf) at step " in err["error"], err
     assert "\n" not in err["error"]
     assert not (stop / "summary.json").exists()
     summary = strict_json(warn / "summary.json")  # warn: the run finishes with a strict-JSON summary
@@ -310,7 +310,7 @@ def test_requeue_signal_runs_lightnings_slurm_requeue_then_stops():
     guard._handler(_REQUEUE)(signal.SIGUSR1, None)  # what the installed handler does: only a flag
     assert calls == [] and guard._signal == _REQUEUE
     with pytest.raises(RunStopped, match="requeued with Slurm after step 42"):
-        guard._act(trainer, 0.0, guard._signal, 42)
+        guard._act(trainer, 0.0, guard._signal, "step 42")
     assert calls == [signal.SIGUSR1]  # Lightning's handler: hpc checkpoint + scontrol requeue
 
 

@@ -82,7 +82,7 @@ class RunGuard(L.Callback):
         self._signum: int | None = None
         self._bad: torch.Tensor | None = None
         self._bad_since = 0
-        self._inflight: tuple[torch.Tensor, Any, int] | None = None
+        self._inflight: tuple[torch.Tensor, Any, int, int] | None = None
         self._step_seen = 0
         self._warned = False
 
@@ -146,29 +146,29 @@ class RunGuard(L.Callback):
         work = None
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        self._inflight = (flags, work, self._bad_since)
+        self._inflight = (flags, work, self._bad_since, trainer.global_step)
         self._bad = torch.zeros_like(self._bad)
         self._bad_since = trainer.global_step + 1
 
-    def _collect(self) -> tuple[float, float, int] | None:
+    def _collect(self) -> tuple[float, float, str] | None:
+        """The agreed flags of the check in flight, and the steps it covered."""
         if self._inflight is None:
             return None
-        flags, work, since = self._inflight
+        flags, work, since, until = self._inflight
         self._inflight = None
         if work is not None:
             work.wait()
         nonfinite, sig = flags.tolist()
-        return nonfinite, sig, since
+        return nonfinite, sig, f"step {until}" if since >= until else f"steps {since}-{until}"
 
-    def _act(self, trainer: L.Trainer, nonfinite: float, sig: float, since: int) -> None:
+    def _act(self, trainer: L.Trainer, nonfinite: float, sig: float, where: str) -> None:
         step = trainer.global_step
         if nonfinite:
-            where = f"step {since}" if since >= step else f"steps {since}-{step}"
             if self.nonfinite == "stop":
-                raise NonFiniteLoss(f"non-finite training loss (NaN or inf) within {where}; lower model.lr or "
+                raise NonFiniteLoss(f"non-finite training loss (NaN or inf) at {where}; lower model.lr or "
                                     "set trainer.gradient_clip_val (callbacks.guard.nonfinite=warn to go on)")
             if not self._warned and trainer.is_global_zero:
-                print(f"warning: non-finite training loss (NaN or inf) within {where}; training goes on "
+                print(f"warning: non-finite training loss (NaN or inf) at {where}; training goes on "
                       "(callbacks.guard.nonfinite=warn)", file=sys.stderr, flush=True)
             self._warned = True
         if sig == _REQUEUE:
