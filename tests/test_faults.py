@@ -140,7 +140,8 @@ def test_sigterm_stops_all_ranks_with_checkpoint_and_resumes(tmp_path, killed_ra
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_nonfinite_loss_stops_or_warns_and_summary_stays_json(tmp_path):
-    proc = run_cli(["-m", *QUICK, "model.lr=1e30", "callbacks.guard.nonfinite=stop,warn",
+    # 2 ranks: both must stop at the same step, and the stop must not be blamed on a rank that "died"
+    proc = run_cli(["-m", *DDP2, "model.lr=1e30", "callbacks.guard.nonfinite=stop,warn",
                     f"hydra.sweep.dir={tmp_path}"], tmp_path, timeout=200, check=False)
     assert proc.returncode != 0, proc.stderr[-3000:]
     stop, warn = tmp_path / "0", tmp_path / "1"

@@ -122,9 +122,9 @@ class RunGuard(L.Callback):
         if trainer.global_step % self.every:
             return
         agreed = self._collect()
-        self._start(trainer)
         if agreed is not None:
-            self._act(trainer, *agreed)
+            self._act(trainer, *agreed)  # may stop the run: then no new check is left in flight
+        self._start(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Training ended normally on every rank: check what the last steps left unchecked (blocking)."""
