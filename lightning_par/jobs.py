@@ -1,8 +1,8 @@
 """What a Hydra job leaves behind when it fails: ``error.json`` in its output directory.
 
-``run.py``'s ``main`` calls ``record_failure`` when a job raises. In a sweep (``-m``) the exception
+The app's job function (``lightning_par/cli.py``) calls ``record_failure`` when a job raises. In a sweep (``-m``) the exception
 is then handed back to Hydra, which marks the job failed, runs the remaining jobs, and ends the
-sweep with a nonzero exit; ``experiments/report.py`` lists every ``error.json`` under the sweep
+sweep with a nonzero exit; ``lightning-par-report`` lists every ``error.json`` under the sweep
 directory next to the summaries of the jobs that worked. A single run keeps its one-line error and
 exit status 2 for configuration mistakes.
 
