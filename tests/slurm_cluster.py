@@ -1,4 +1,4 @@
-"""A real one-node Slurm on localhost for tests (the recipe of /work/shared/SLURM_LOCAL.md).
+"""A real one-node Slurm on localhost for tests.
 
 ``start_cluster(root)`` installs ``slurm-wlm`` and ``munge`` with apt-get when they are missing,
 starts munged (unless one already answers), writes a private ``slurm.conf`` under ``root`` (state,

@@ -1,4 +1,4 @@
-"""The run summary: ``summary.json`` (the public contract of DESIGN.md) and a short printed table.
+"""The run summary: ``summary.json`` (the public contract of docs/architecture.md) and a short printed table.
 
 Losses: the training loss of every optimizer step, as the mean over the global batch. Each rank
 records its local loss per optimizer step (summing the accumulation-normalized micro-batch losses
