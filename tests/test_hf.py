@@ -371,3 +371,12 @@ def test_tied_llama_model_parallel_is_refused_before_it_unties(strategy, tmp_pat
     assert proc.returncode != 0, "a tied model trained under " + strategy
     out = proc.stdout + proc.stderr
     assert "error:" in out and "tie_word_embeddings=false" in out, out[-2000:]
+
+
+def test_sequence_parallel_refuses_plans_without_norm_entries():
+    from lightning_par.models.gpt import GPT, GPTConfig
+    from lightning_par.parallel.tensor_parallel import check_sequence_parallel
+
+    with pytest.raises(ValueError, match="set sequence_parallel=false"):
+        check_sequence_parallel(tiny("llama").parallel_plan().tp_plan)
+    check_sequence_parallel(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2)).parallel_plan().tp_plan)

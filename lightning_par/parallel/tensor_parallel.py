@@ -70,6 +70,15 @@ def check_tp_divisible(tp: int, divisible: dict[str, int]) -> None:
                              f"choose a tp that divides it")
 
 
+def check_sequence_parallel(plan: dict[str, str]) -> None:
+    """Raise ``ValueError`` (one line) if ``plan`` cannot run sequence parallelism: SP shards the norms
+    between the splits, so the plan must name them (``sequence_parallel`` entries). Hugging Face
+    plans name none (their norms and rotary positions would see a sequence shard)."""
+    if "sequence_parallel" not in plan.values():
+        raise ValueError("sequence_parallel needs a tp_plan naming the norms between the splits ('sequence_parallel' "
+                         "entries); this model's plan names none -- set sequence_parallel=false")
+
+
 def match_modules(model: nn.Module, pattern: str) -> list[str]:
     """Paths of the submodules of ``model`` matching ``pattern`` (``*`` = one path component)."""
     want = pattern.split(".")
@@ -180,6 +189,8 @@ def apply_tensor_parallel(
         raise ValueError(f"apply_tensor_parallel needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D; "
                          "pass mesh['tp']")
     check_tp_divisible(tp_mesh.size(), divisible or {})
+    if sequence_parallel:
+        check_sequence_parallel(plan)
 
     applied: dict[str, str] = {}
     for pattern, style in plan.items():
