@@ -380,3 +380,14 @@ def test_sequence_parallel_refuses_plans_without_norm_entries():
     with pytest.raises(ValueError, match="set sequence_parallel=false"):
         check_sequence_parallel(tiny("llama").parallel_plan().tp_plan)
     check_sequence_parallel(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2)).parallel_plan().tp_plan)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["zero3", "pipeline"])
+def test_llama_activation_checkpointing_parity(strategy, tmp_path_factory):
+    ref = summary_of("hf_llama_tiny", "single", 1, tmp_path_factory)
+    run_dir = tmp_path_factory.mktemp(f"ac-{strategy}")
+    got = train_summary(["model=hf_llama_tiny", f"strategy={strategy}", "strategy.activation_checkpointing=true",
+                         "trainer.devices=2", *RUN], run_dir, timeout=400)
+    assert_losses_match(got, ref)
