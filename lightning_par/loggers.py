@@ -30,9 +30,9 @@ from lightning_par import ConfigError
 
 class WandbLogger(_LightningWandbLogger):
     """Lightning's ``WandbLogger`` that also ends its W&B run when training ends. Lightning's leaves
-    the run open (so a script may keep logging to it); here one job is one run: an offline run
-    directory is complete (``files/config.yaml`` written) when the job ends, and the next job of a
-    multirun, in the same process, starts its own run instead of logging into this one."""
+    the run open (so a script may keep logging to it); here one job is one run: the offline run is
+    closed when the job ends (its exit record written, so ``wandb sync`` uploads a finished run), and
+    the next job of a multirun, in the same process, starts its own run instead of logging into this one."""
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
