@@ -242,8 +242,8 @@ def hf_init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
     and MLP). So for a module the function runs ``_init_weights`` on the module, then on each of its
     ancestors (nearest first), with every tensor the module does not own marked as initialised (the
     guard Hugging Face's own init functions honour): the result does not depend on the order in which
-    submodules are visited, and called bottom-up on a whole model it repeats ``from_config`` draw for
-    draw. A tied target (``lm_head.weight``) still sharing its source's tensor is left to the source,
+    submodules are visited. The values follow the same laws as ``from_config`` (not the same draws:
+    ``from_config`` also spends random numbers in torch's own constructors). A tied target (``lm_head.weight``) still sharing its source's tensor is left to the source,
     as Hugging Face does; an untied copy of it (a module copied on its own) is initialised. Rotary
     ``inv_freq`` buffers (non-persistent, garbage after ``to_empty``) are recomputed by the same rule.
 
