@@ -120,6 +120,18 @@ def test_tensor_parallel_matches_single(ref, tmp_path, devices, extra):
     assert all(r["params"] < single_mem["params"] / devices * 1.5 for r in s["memory"])  # split, bar the small rest
 
 
+@pytest.mark.timeout(900)  # the shared sweep: 8 runs of 60 steps, about 4 minutes on 2 cores
+@pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline"])
+def test_two_ranks_match_single_over_60_steps(strategy):
+    """The long-horizon parity of test_e2e_sharded.py (one shared 2-rank sweep, SGD, 60 steps, rtol
+    1e-6) for tensor and pipeline parallelism."""
+    from tests.test_e2e_sharded import assert_parity_over_horizon, long_parity
+
+    s = long_parity()[strategy]
+    assert s["world_size"] == 2 and s["mesh"] == ({"tp": 2} if strategy == "tensor_parallel" else {"pp": 2})
+    assert_parity_over_horizon(s, long_parity()["single"])
+
+
 def test_fsdp_tp_matches_single(ref, tmp_path):
     s = train_summary(BASE + ["strategy=fsdp_tp", "trainer.devices=4", "strategy.tp=2"], tmp_path, timeout=300)
     assert s["mesh"] == {"dp_shard": 2, "tp": 2}
