@@ -8,4 +8,8 @@ __version__ = "0.1.0"
 
 
 class ConfigError(ValueError):
-    """A user-facing configuration mistake, reported as one line before any process starts."""
+    """A user-facing configuration mistake, reported as one line before any process starts (or, from
+    a strategy's setup, before any collective: then every rank raises the same error)."""
+
+    #: raised by every rank alike (the launcher then does not blame a rank that exited with it)
+    all_ranks = True

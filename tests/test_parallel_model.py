@@ -96,7 +96,12 @@ def _tp_worker(rank: int, world_size: int) -> dict:
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             if name.endswith("attn.wk.bias"):  # softmax ignores it: its gradient is noise that Adam amplifies
                 continue
-            torch.testing.assert_close(_full(p.detach()), q.detach(), msg=f"{name} after 3 steps (sp={sp}, lp={lp})")
+            # gradients were compared exactly at step 0; after 3 Adam steps (lr 1e-2) an entry whose
+            # gradient is near Adam's eps (a rarely seen token's embedding row) turns rounding noise
+            # into an update difference of up to ~2e-4, so parameters are compared at 1e-3 -- a
+            # wrong reduction moves whole tensors by ~lr = 1e-2
+            torch.testing.assert_close(_full(p.detach()), q.detach(), rtol=1e-4, atol=1e-3,
+                                       msg=f"{name} after 3 steps (sp={sp}, lp={lp})")
         results[(sp, lp)] = (losses, ref_losses)
     return results
 

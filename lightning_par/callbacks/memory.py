@@ -82,11 +82,16 @@ class MemoryMonitor(L.Callback):
     def __init__(self, measure_at_step: int = 1) -> None:
         self.measure_at_step = measure_at_step
         self._states: dict[str, int] | None = None
+        self._setup: dict[str, int | None] = {}
         self.per_rank: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the strategy's setup (build, shard, materialise) is over and no step has run: what a rank
+        # needs just to hold its part of the model
         self._states = None
+        self._setup = {"setup_peak_rss": peak_rss_bytes(), "setup_peak_allocated": None}
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
+            self._setup["setup_peak_allocated"] = int(torch.cuda.max_memory_allocated(pl_module.device))
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -99,7 +104,8 @@ class MemoryMonitor(L.Callback):
         peak = None
         if pl_module.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(pl_module.device))
-        mine = {"rank": trainer.global_rank, **self._states, "peak_allocated": peak, "peak_rss": peak_rss_bytes()}
+        mine = {"rank": trainer.global_rank, **self._states, "peak_allocated": peak, "peak_rss": peak_rss_bytes(),
+                **self._setup}
         self.per_rank = sorted(all_gather_objects(mine), key=lambda r: r["rank"])
 
     def summary(self) -> dict[str, Any]:

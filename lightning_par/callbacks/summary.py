@@ -109,13 +109,17 @@ class RunSummary(L.Callback):
                 parts.update(cb.summary())
         strategy = trainer.strategy
         mesh = getattr(strategy, "mesh_sizes", None) or {"dp_replicate": trainer.world_size}
+        # what the strategy learnt about the model before sharding it (full parameter count, which
+        # rule chose the FSDP / checkpointing units); absent under Lightning's own strategies
+        facts = dict(getattr(strategy, "model_facts", None) or {})
         dm = trainer.datamodule
         self.summary = {
             "strategy": self.strategy_name or type(strategy).__name__,
             "world_size": trainer.world_size,
             "mesh": dict(mesh),
             "model": self.model_name or type(pl_module).__name__,
-            "n_params": int(self.n_params),
+            "n_params": int(facts.get("n_params", self.n_params)),
+            "units_rule": facts.get("units_rule"),
             "precision": str(trainer.precision),
             "global_batch_size": int(getattr(dm, "global_batch_size", 0) or 0) or None,
             "steps": len(losses),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from lightning_par.parallel.contract import InitsWeights, ParallelPlan, declared_plan
+from lightning_par.parallel.hf_plan import find_hf_model, hf_enable_checkpointing, hf_init_fn, hf_parallel_plan
 
 RULES = ("declared", "hf_no_split_modules", "repeated_children", "size")
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -35,19 +36,6 @@ class ResolvedPlan:
     plan: ParallelPlan
     units_rule: str  #: which rule chose ``plan.blocks`` (one of RULES)
     source: str  #: where layers/tp_plan came from: "declared", "huggingface:<path>" or "none"
-
-
-def is_hf_model(module: nn.Module) -> bool:
-    """A Hugging Face ``PreTrainedModel`` (recognised by attributes, not by importing transformers)."""
-    return hasattr(module, "_no_split_modules") and hasattr(module, "config") and hasattr(module, "base_model_prefix")
-
-
-def find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """The outermost Hugging Face model inside ``module`` (path, model), or None."""
-    for path, sub in module.named_modules():
-        if is_hf_model(sub):
-            return path, sub
-    return None
 
 
 def repeated_children(module: nn.Module) -> list[str]:
@@ -91,7 +79,6 @@ def _hf_plan(module: nn.Module) -> tuple[ParallelPlan, str] | None:
     if found is None:
         return None
     path, hf = found
-    from lightning_par.parallel.hf_plan import hf_parallel_plan
 
     plan = hf_parallel_plan(hf)
     return (plan.prefixed(path), f"huggingface:{path or '.'}") if plan is not None else None
@@ -137,8 +124,6 @@ def init_fn_of(module: nn.Module) -> Callable[[nn.Module], None] | None:
         return module.init_weights
     found = find_hf_model(module)
     if found is not None:
-        from lightning_par.parallel.hf_plan import hf_init_fn
-
         return hf_init_fn(found[1])
     return None
 
@@ -153,8 +138,6 @@ def checkpointing_fn_of(module: nn.Module) -> Callable[[nn.Module], bool] | None
         found = find_hf_model(target)
         if found is None:  # e.g. a pipeline stage holding only some decoder layers
             return False
-        from lightning_par.parallel.hf_plan import hf_enable_checkpointing
-
         return hf_enable_checkpointing(found[1])
 
     return enable

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from lightning_par.parallel.ties import retie, tied_parameters  # noqa: F401  (re-exported)
 from lightning_par.parallel.contract import ParallelPlan
 
 log = logging.getLogger(__name__)
@@ -144,16 +145,6 @@ def hf_parallel_plan(model: nn.Module) -> ParallelPlan | None:
 # Tied parameters
 
 
-def tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
-    """Pairs ``(first name, other name)`` of parameter names that share one ``Parameter`` object."""
-    first: dict[int, str] = {}
-    pairs = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            pairs.append((first[id(p)], name))
-        else:
-            first[id(p)] = name
-    return pairs
 
 
 def declared_ties(model: nn.Module) -> list[tuple[str, str]]:
@@ -168,12 +159,6 @@ def declared_ties(model: nn.Module) -> list[tuple[str, str]]:
     return [(p + src, p + dst) for dst, src in keys.items()]
 
 
-def retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
-    """Make every ``target`` parameter the ``source`` one again (after ``to_empty``, which unties)."""
-    for src, dst in pairs:
-        param = model.get_parameter(src)
-        owner, _, leaf = dst.rpartition(".")
-        setattr(model.get_submodule(owner) if owner else model, leaf, param)
 
 
 def check_tied(model: nn.Module, *, tp: int = 1, pp: int = 1) -> None:

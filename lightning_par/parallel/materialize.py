@@ -26,12 +26,16 @@ own RNG tracker would avoid even that, but its values depend on the sharding.
 from __future__ import annotations
 
 import copy
+import ctypes
 import zlib
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_par.parallel.ties import retie, tied_parameters
 
 InitFn = Callable[[nn.Module], None]
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -88,7 +92,9 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
     tensors filled; raises if a local tensor got no value.
     """
     init = init_fn or default_init
+    ties = tied_parameters(module)
     module.to_empty(device=device)
+    retie(module, ties)  # to_empty gives each use of a shared parameter its own tensor
     targets: dict[str, torch.Tensor] = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         targets[canonical_name(name)] = t
@@ -108,8 +114,9 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
             if key in targets:
                 _copy_local(targets[key], full)
                 filled.add(key)
-        del host
+        host = full = None  # drop the last references before trimming
         templates[path] = template.to("meta")  # release the host copy
+        _release_free_memory()
     missing = sorted(set(targets) - filled)
     if missing:
         raise RuntimeError(f"materialize: no init group covers {missing[:3]}; its tensors would stay uninitialised")
@@ -117,8 +124,35 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
 
 
 def _copy_local(target: torch.Tensor, full: torch.Tensor) -> None:
-    if isinstance(target, DTensor):
+    if not isinstance(target, DTensor):
+        target.copy_(full)
+    elif all(isinstance(p, (Shard, Replicate)) for p in target.placements):
+        # the local piece is one block of the full tensor: copy it from a view, no intermediate copy
+        shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+        view = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        target.to_local().copy_(view)
+    else:  # strided shards (FSDP over a TP-sharded dim): DTensor knows the layout
         piece = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(piece.to_local())
-    else:
-        target.copy_(full)
+
+
+def _release_free_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``). Each init group's host tensors
+    are freed before the next group's are allocated, but glibc raises its mmap threshold after the
+    first large free, so later tensors of up to 32 MB come from the heap, whose freed pages it keeps:
+    without this, a rank's resident memory grows by a part of every group and deferred
+    initialisation loses much of its point. A no-op where glibc is absent."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()

@@ -113,7 +113,7 @@ class ParStrategyMixin:
         ``setup`` does; Lightning's DDP wrapping and the optimizers come after). Returns this rank's
         stage modules (``[module]`` without a pipeline)."""
         try:
-            self.validate_setup(self.world_size, module)
+            self.validate_setup(getattr(self, "world_size", 1), module)
         except ValueError as e:  # a user's own Trainer: the same one line as the app's pre-launch check
             raise ConfigError(str(e)) from None
         resolved = resolve_plan(module)
@@ -187,8 +187,11 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
 
     def setup_environment(self) -> None:
         self._setup_distributed()  # device, global ranks, process group (Lightning's)
-        dims = self.dims_for(self.world_size)
-        dims.validate(self.world_size)
+        try:
+            dims = self.dims_for(self.world_size)
+            dims.validate(self.world_size)
+        except ValueError as e:  # before any collective: the same one line on every rank
+            raise ConfigError(str(e)) from None
         self._device_mesh = dims.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh  # LightningModule.device_mesh
 

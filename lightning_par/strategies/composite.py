@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_par import ConfigError
 from lightning_par.parallel.contract import example_input_of, loss_fn_of
 from lightning_par.parallel.discovery import ResolvedPlan, resolve_plan
+from lightning_par.parallel.hf_plan import check_tied, find_hf_model, hf_prepare_pipeline
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import FullyShard, TensorParallel
 from lightning_par.parallel.pipeline import (
@@ -49,7 +50,7 @@ from lightning_par.parallel.pipeline import (
     validate_pipeline,
 )
 from lightning_par.parallel.stages import drop_remote_layers, measure_layer_times, resolve_split_points
-from lightning_par.parallel.tensor_parallel import check_tp_divisible
+from lightning_par.parallel.tensor_parallel import check_sequence_parallel, check_tp_divisible
 from lightning_par.strategies.base import ShardedStrategy
 from lightning_par.strategies.checkpoint import canonical_fqn
 from lightning_par.strategies.pipeline_loop import PipelineLoopMixin
@@ -176,6 +177,7 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         dims.validate(world_size)
         plan = resolve_plan(module).plan
         model = type(module).__name__
+        check_tied(module, tp=dims.tp, pp=dims.pp)  # a layout that would silently untie shared weights
         if self.uses_pipeline(dims):
             if not plan.layers:
                 raise ValueError(f"{name}: pipeline parallelism needs to know where {model} may be cut; declare "
@@ -203,6 +205,8 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                                  "parallel_plan().tp_plan (module pattern -> colwise/rowwise/...; see README "
                                  "'Use your own model') or set tp=1")
             check_tp_divisible(dims.tp, plan.tp_divisible)
+            if self.sequence_parallel:
+                check_sequence_parallel(plan.tp_plan)
         else:
             for option in ("sequence_parallel", "loss_parallel"):
                 if getattr(self, option):
@@ -277,6 +281,9 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         """Step 1 of ``parallelize``: this rank's stage modules; other layers become ``RemoteLayer``s."""
         dims, mesh, trainer = self.parallel_dims, self.device_mesh, self.lightning_module.trainer
         layers = list(layers)
+        hf = find_hf_model(module)
+        if hf is not None:  # decoder layers called with hidden states alone compute their own positions
+            hf_prepare_pipeline(hf[1])
         m = self.n_microbatches_for(dims.pp)
         n_stages = dims.pp * self.virtual_stages
         micro = self._batch_per_pipeline(trainer, dims, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))

@@ -7,7 +7,8 @@ keeps Lightning's machinery (environment variables, process observer, thread lim
 replaces the children's command when one is given: ``run.py`` hands over a command that starts
 ``python -m lightning_par.child <resolved config>`` -- the child trains exactly this job's config,
 in this job's output directory, with no Hydra sweep at all. Without a command (a user's own
-script), the behaviour is Lightning's.
+script), the children are Lightning's re-runs of the script: they live until the script ends, so
+several ``fit``/``test`` calls in one script share them, as with Lightning's own launcher.
 
 A job owns its children from start to end, on every exit path:
 
@@ -142,7 +143,10 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
                                    f"(rank 0 saw: {type(e).__name__})") from e
             raise
         finally:
-            if observer is not None:
+            # our children (one job's ranks) end with the job; a user's script re-run by Lightning
+            # goes on after this fit (a second fit, a test run), so on success its children are left
+            # running and watched, as Lightning does
+            if observer is not None and (self.child_command is not None or not ok):
                 observer.retire()
                 self.reap(_GRACE_OK_S if ok else _GRACE_FAILED_S)
         if observer is not None and observer.dead is not None:  # died after rank 0 had finished its work

@@ -1,0 +1,28 @@
+"""Tied parameters: one ``Parameter`` used by two modules (a language model's input embedding and
+output head). ``to_empty`` and per-module parameter replacement silently give each use its own
+copy; ``materialize`` re-ties after allocating, and layouts that cannot keep a tie (tensor
+parallelism, pipeline stages) are refused before they start (``hf_plan.check_tied``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """Pairs ``(first name, other name)`` of parameter names that share one ``Parameter`` object."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            pairs.append((first[id(p)], name))
+        else:
+            first[id(p)] = name
+    return pairs
+
+
+def retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Make every ``target`` parameter the ``source`` one again (after ``to_empty``, which unties)."""
+    for src, dst in pairs:
+        param = model.get_parameter(src)
+        owner, _, leaf = dst.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, param)

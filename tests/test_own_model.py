@@ -1,0 +1,241 @@
+"""Bring your own model: a LightningModule written here, that lightning_par never saw, trained by a
+plain ``lightning.Trainer`` in a user's own script (launched by Lightning as usual), under every
+data-parallel strategy picked by its registry name; per-step losses equal the single-device run's.
+
+The script holds no lightning_par code except ``import lightning_par.strategies`` (which registers
+the ``lp_*`` names). Two models: ``Eager`` builds its layers in ``__init__`` (real tensors, same
+seed on every rank); ``Deferred`` builds them in ``configure_model`` (on the meta device under
+lightning_par's strategies, materialised by the strategy with the layers' own ``reset_parameters``
+and seeded per init group, so its weights do not depend on the strategy). Neither declares a plan:
+the FSDP / checkpointing units are found by the "repeated children" rule.
+
+One script run trains several strategies one after another in the same processes (Lightning
+spawns the second rank once), so the whole module costs a few process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import lightning_par.strategies  # registers lp_ddp, lp_zero3, ...
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.fc1 = nn.Linear(d, 4 * d)
+            self.fc2 = nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+    def layers(d, n_classes):
+        return nn.Sequential(nn.Linear(12, d), *[Block(d) for _ in range(3)], nn.Linear(d, n_classes))
+
+    class Eager(L.LightningModule):
+        def __init__(self, d=32):
+            super().__init__()
+            self.body = layers(d, 5)
+
+        def forward(self, x):
+            return self.body(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self(x), y)
+            self.log("loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class Deferred(Eager):
+        def __init__(self, d=32):
+            L.LightningModule.__init__(self)
+            self.d, self.body = d, None
+
+        def configure_model(self):
+            if self.body is None:
+                self.body = layers(self.d, 5)
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.values = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.values.append(float(trainer.callback_metrics["loss"]))
+
+    def run(strategy, devices, model_cls, batch):
+        L.seed_everything(0, verbose=False)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(256, 12, generator=g)
+        y = (x @ torch.randn(12, 5, generator=g)).argmax(-1)  # a rule to learn
+        data = TensorDataset(x, y)
+        losses = Losses()
+        trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
+                            callbacks=[losses], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model_cls(), DataLoader(data, batch_size=batch, shuffle=False))
+        return losses.values
+
+    STEPS = 12
+    out, devices, model_name, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+    model_cls = {"eager": Eager, "deferred": Deferred}[model_name]
+    result = {name: run(name, devices, model_cls, batch=16 // devices) for name in names}
+    if int(__import__("os").environ.get("LOCAL_RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+''')
+
+DATA_PARALLEL = ["lp_ddp", "lp_zero1", "lp_zero2", "lp_zero3", "lp_zero3_offload", "lp_fsdp"]
+
+
+def run_script(tmp_path: Path, devices: int, model: str, strategies: list[str], timeout: float = 420) -> dict:
+    script = tmp_path / "train_mine.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"losses_{model}_{devices}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), model, ",".join(strategies)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def assert_parity(got: list[float], ref: list[float], what: str) -> None:
+    assert len(got) == len(ref) >= 10, (what, len(got), len(ref))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7, err_msg=what)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", ["eager", "deferred"])
+def test_own_lightning_module_every_data_parallel_strategy(tmp_path: Path, model: str) -> None:
+    # reference: one device. Eager weights come from the module itself, so Lightning's own
+    # single-device strategy is the reference; deferred weights come from lightning_par's init.
+    ref_name = "auto" if model == "eager" else "lp_single"
+    ref = run_script(tmp_path, 1, model, [ref_name])[ref_name]
+    assert ref[-1] < ref[0]  # it learns
+    two = run_script(tmp_path, 2, model, DATA_PARALLEL)
+    for name in DATA_PARALLEL:
+        assert_parity(two[name], ref, f"{model} {name} x2")
+    four = run_script(tmp_path, 4, model, ["lp_hsdp", "lp_zero3"])
+    for name in ("lp_hsdp", "lp_zero3"):
+        assert_parity(four[name], ref, f"{model} {name} x4")
+
+
+MISUSE = textwrap.dedent('''
+    import sys, torch, lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import lightning_par.strategies
+    from lightning_par.parallel.contract import ParallelPlan
+
+    class Three(L.LightningModule):
+        """Declares a tensor-parallel plan, but has 3 heads: tp=2 cannot split them."""
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(6, 12), nn.Linear(12, 6)
+
+        def parallel_plan(self):
+            return ParallelPlan(tp_plan={"up": "colwise", "down": "rowwise"}, tp_divisible={"n_head": 3})
+
+        def training_step(self, batch, batch_idx):
+            return self.down(self.up(batch[0])).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(8, 6))
+    L.Trainer(strategy="lp_tensor_parallel", devices=2, accelerator="cpu", max_steps=2, logger=False,
+              enable_progress_bar=False, enable_checkpointing=False).fit(Three(), DataLoader(data, batch_size=2))
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_plain_trainer_misuse_is_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "misuse.py"
+    script.write_text(MISUSE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: tensor-parallel degree tp=2 does not divide n_head=3; choose a tp that divides it"], \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_missing_declarations_are_one_line_each() -> None:
+    """A plain module under a technique that needs a declaration: one line naming what to declare."""
+    import torch
+    from torch import nn
+
+    from lightning_par.strategies import PipelineStrategy, TensorParallelStrategy
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    with torch.device("meta"):
+        model = Plain()
+    with pytest.raises(ValueError, match=r"^PipelineStrategy: pipeline parallelism needs to know where Plain may be "
+                                         r"cut; declare parallel_plan\(\)\.layers") as e:
+        PipelineStrategy().validate_setup(2, model)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^TensorParallelStrategy: tensor parallelism needs Plain's tensor-parallel "
+                                         r"styles; declare parallel_plan\(\)\.tp_plan") as e:
+        TensorParallelStrategy().validate_setup(2, model)
+    assert "\n" not in str(e.value)
+
+
+def test_units_rules_in_order() -> None:
+    """The rule that chooses FSDP/checkpointing units, for a declared plan, repeated children and
+    size; and init groups that do not depend on anything but the model."""
+    import torch
+    from torch import nn
+
+    from lightning_par.parallel.contract import ParallelPlan
+    from lightning_par.parallel.discovery import init_groups, resolve_plan
+
+    class Repeated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 8)
+            self.small = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.big = nn.Sequential(*[nn.Linear(8, 32) for _ in range(3)])  # the largest: wins
+
+    class Declared(Repeated):
+        def parallel_plan(self) -> ParallelPlan:
+            return ParallelPlan(blocks=("small.0", "small.1"))
+
+    class Lumpy(nn.Module):  # no repeated children: size rule
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 8), nn.ReLU())
+
+    with torch.device("meta"):  # shapes are all discovery needs
+        r = resolve_plan(Repeated())
+    assert (r.units_rule, r.plan.blocks) == ("repeated_children", ("big.0", "big.1", "big.2"))
+    d = resolve_plan(Declared())
+    assert (d.units_rule, d.plan.blocks) == ("declared", ("small.0", "small.1"))
+    s = resolve_plan(Lumpy())
+    assert s.units_rule == "size" and s.plan.blocks == ("a",)  # the only subtree with >= 1/8 of the parameters
+    assert init_groups(Repeated(), r.plan.blocks) == ["big.0", "big.1", "big.2", "stem", "small.0", "small.1"]
