@@ -32,7 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_par import ConfigError
 from lightning_par.callbacks.guard import RunGuard, RunStopped
 from lightning_par.jobs import RunDirLock, clear_failure
+from lightning_par.parallel.contract import input_kind_of
 from lightning_par.parallel.elastic import init_elastic_process_group
+from lightning_par.strategies.checkpoint import check_checkpoint
 
 PRECISIONS = tuple(p for p in typing.get_args(_PRECISION_INPUT_STR) if not p.startswith("transformer"))
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK",
@@ -94,8 +96,7 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
         world = 1
     if acc == "cuda" and devices > torch.cuda.device_count():
         raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
-    model_kind = getattr(model, "input_kind", None)
-    data_kind = getattr(datamodule, "kind", None)
+    model_kind, data_kind = input_kind_of(model), input_kind_of(datamodule)
     if model_kind and data_kind and model_kind != data_kind:
         raise ConfigError(f"model {type(model).__name__} takes {model_kind} but data {type(datamodule).__name__} "
                           f"gives {data_kind}; pick a matching data= (or use an experiment= preset)")
@@ -181,6 +182,8 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
             check_writable(out_dir, "output")
             for d in ckpt_dirs:
                 check_writable(d, "checkpoint")
+            # a missing or damaged checkpoint is one line naming the file, before any rank starts
+            check_checkpoint(resolve_ckpt_path(cfg.get("ckpt_path"), out_dir, ckpt_dirs))
         if world > 1 and not child and not launched_externally():
             config_path = _write_child_config(cfg, out_dir)
             strategy.child_command = [sys.executable, "-m", "lightning_par.child", config_path]
@@ -261,7 +264,7 @@ def checkpoint_step(path: str) -> int | None:
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, ".metadata")):
                 return None
-            meta = torch.load(os.path.join(path, _METADATA_FILENAME), map_location="cpu", weights_only=False)
+            meta = torch.load(os.path.join(path, _METADATA_FILENAME), map_location="cpu", weights_only=True)
         else:
             meta = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
         return int(meta["global_step"])

@@ -15,6 +15,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+#: the axes over which ranks see different data, outermost first
+DATA_AXES = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -71,17 +73,18 @@ class ParallelDims:
 
 
 def dp_coordinates(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
-    """(rank, size) of this process along the data-parallel dimension (replicate x shard)."""
+    """(rank, size) of this process along the data-parallel dimension (replicate x shard, replicate
+    outermost). Computed from the two axes: a flattened "dp" axis is not among the root mesh's
+    dimension names, and either axis alone gives the wrong size under HSDP."""
     if mesh is None or dims.dp == 1:
         return 0, 1
     names = mesh.mesh_dim_names or ()
-    if "dp" in names:
-        sub = mesh["dp"]
-    elif "dp_shard" in names:
-        sub = mesh["dp_shard"]
-    else:
-        sub = mesh["dp_replicate"]
-    return sub.get_local_rank(), sub.size()
+    rank, size = 0, 1
+    for axis in DATA_AXES:
+        if axis in names:
+            sub = mesh[axis]
+            rank, size = rank * sub.size() + sub.get_local_rank(), size * sub.size()
+    return rank, size
 
 
 def device_type() -> str:
