@@ -46,6 +46,7 @@ class HandShardedGPT(GPTModule):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+        super().configure_model()  # builds the architecture (real tensors under Lightning's strategy)
         mesh = self.device_mesh["data_parallel"]
         blocks = list(self.net.blocks)
         for block in blocks:
