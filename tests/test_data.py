@@ -55,9 +55,8 @@ def test_text_corpus_is_stdlib_bytes_and_next_token_targets():
 
 
 def test_text_files_glob_error(tmp_path):
-    dm = TextDataModule(files=str(tmp_path / "nothing*.txt"))
-    with pytest.raises(ConfigError, match="no files match"):
-        dm.setup("fit")
+    with pytest.raises(ConfigError, match="no files match"):  # at construction: before processes start
+        TextDataModule(files=str(tmp_path / "nothing*.txt")).setup("fit")
 
 
 def test_own_text_files(tmp_path):
