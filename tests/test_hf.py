@@ -313,9 +313,9 @@ RUN = ["trainer.max_steps=12", "trainer.limit_val_batches=0", "trainer.enable_pr
        "data.seq_len=64", "data.global_batch_size=8", "data.max_bytes=400000"]
 PARITY = {  # strategy -> devices
     "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3_offload": 2, "fsdp": 2, "hsdp": 4,
-    "tensor_parallel": 2, "pipeline": 2, "fsdp_tp": 4,
+    "tensor_parallel": 2, "pipeline": 2, "fsdp_tp": 4, "3d": 4,  # 3d: pp=2 x tp=2 (dp=1)
 }
-MODEL_PARALLEL = ("tensor_parallel", "pipeline", "fsdp_tp")
+MODEL_PARALLEL = ("tensor_parallel", "pipeline", "fsdp_tp", "3d")
 _runs: dict[tuple, dict] = {}
 
 
