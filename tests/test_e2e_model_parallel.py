@@ -213,7 +213,8 @@ def test_model_without_plan_is_refused():
             super().__init__()
             self.layer = nn.Linear(2, 2)
 
-    for kind, pattern in [("pipeline", r"declares its layers"), ("tp", r"needs a plan.*NoPlan declares no tp_plan")]:
+    for kind, pattern in [("pipeline", r"where NoPlan may be cut; declare parallel_plan\(\)\.layers"),
+                          ("tp", r"needs NoPlan's tensor-parallel styles; declare parallel_plan\(\)\.tp_plan")]:
         with pytest.raises(ValueError, match=pattern):
             _strategy(kind).validate_setup(2, NoPlan())
 
