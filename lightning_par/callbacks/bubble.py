@@ -117,8 +117,11 @@ class ActivationMeter:
         local = _local(t)
         if local.device.type == "meta":
             return t
-        storage = local.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a tensor without a real storage (a wrapper subclass, e.g. a replicated DTensor
+            return t          # weight saved by a Hugging Face norm under TP): nothing of its own to count
         if key in self._params or nbytes == 0:
             return t
         ref = self._refs.get(key)
