@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from lightning_par.parallel.contract import InitsWeights, ParallelPlan, declared_plan
+from lightning_par.parallel.fsdp import resolve_units
 from lightning_par.parallel.hf_plan import find_hf_model, hf_enable_checkpointing, hf_init_fn, hf_parallel_plan
 
 RULES = ("declared", "hf_no_split_modules", "repeated_children", "size")
@@ -56,22 +57,8 @@ def repeated_children(module: nn.Module) -> list[str]:
 
 def size_based_blocks(module: nn.Module, fraction: int = 8) -> list[str]:
     """The smallest subtrees holding at least 1/``fraction`` of the parameters (never the root or a
-    container), in model order."""
-    minimum = max(1, sum(p.numel() for p in module.parameters()) // fraction)
-    units: list[str] = []
-
-    def visit(path: str, mod: nn.Module) -> int:
-        left = sum(p.numel() for p in mod.parameters(recurse=False))
-        for name, child in mod.named_children():
-            left += visit(f"{path}.{name}" if path else name, child)
-        if path and left >= minimum and not isinstance(mod, (*_CONTAINERS, nn.ModuleDict)):
-            units.append(path)
-            return 0
-        return left
-
-    visit("", module)
-    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
-    return sorted(units, key=order.__getitem__)
+    ModuleList/ModuleDict), in model order: FSDP's size rule with that minimum."""
+    return resolve_units(module, max(1, sum(p.numel() for p in module.parameters()) // fraction))
 
 
 def _hf_plan(module: nn.Module) -> tuple[ParallelPlan, str] | None:
