@@ -2,17 +2,18 @@
 
 ``ParStrategyMixin`` adds: the multirun-safe launcher (see ``launcher.py``), a ``ParallelDims``
 description of the mesh (``mesh_sizes`` for the run summary), data-parallel sampler ranks taken
-from the mesh's data-parallel axis, optional per-block activation checkpointing from the model's
-plan, and ``model_state_tensors`` -- the tensors this rank holds per category, which the memory
-callback counts. Strategies stay thin: they decide the mesh and call layer 1 (``parallel/``).
+from the mesh's data-parallel axes, ``prepare_model`` (validation, then every technique through the
+one ordered ``parallel/parallelize.py``, the model built on the meta device), and
+``model_state_tensors`` -- the tensors this rank holds per category, which the memory callback
+counts. Strategies stay thin: they decide the mesh and say which techniques (``techniques``).
 
 ``ShardedStrategy`` is the base of the strategies that shard model states without DDP's wrapper
 (zero2, zero3, zero3_offload, fsdp/hsdp). It derives from Lightning's ``ModelParallelStrategy``,
 Lightning's strategy for modules that parallelize themselves: it does not wrap the model, runs on
 CPU (gloo) as on GPU, starts the process group, restores checkpoints after setup (into the sharded
 model) and provides barrier/broadcast/reduce/all_gather. We replace its mesh (``ParallelDims``,
-built in ``setup_environment``), its ``setup`` (layer-1 techniques instead of the module's own
-``configure_model``), its launcher (multirun-safe) and its checkpoint format (strategy-neutral,
+built in ``setup_environment``), its ``setup`` (``prepare_model`` instead of the module applying
+parallelism in ``configure_model``), its launcher (multirun-safe) and its checkpoint format (strategy-neutral,
 ``checkpoint.py``).
 """
 
@@ -164,9 +165,9 @@ def _optimizer_states(opt: Any) -> Iterator[dict]:
 class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParallelStrategy):
     """Base of the data-parallel strategies that shard model states without a DDP wrapper.
 
-    Subclasses decide the mesh (``dims_for``), shard the module (``parallelize``) and/or replace the
-    optimizer (``setup_optimizers``). Setup order: activation checkpointing, precision conversion,
-    move to the device, ``parallelize``, optimizers -- so sharding sees the final modules and dtypes.
+    Subclasses decide the mesh (``dims_for``), the techniques (``techniques``) and/or replace the
+    optimizer (``setup_optimizers``). Setup order: precision conversion (on the meta model), then
+    ``prepare_model`` (parallelize's order, ending with materialisation), then the optimizers.
 
     Args:
         activation_checkpointing: recompute each block's activations in backward.

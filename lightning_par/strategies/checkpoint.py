@@ -56,9 +56,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_par import ConfigError
+from lightning_par.parallel.materialize import canonical_name
 
-# wrapper prefixes that module FQNs lose in the canonical layout (activation checkpointing, torch.compile, FSDP1)
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 #: the model's key in the DCP payload: Lightning's sharded layout (its consolidate tool renames it to state_dict)
 MODEL_KEY = "model"
 _LEGACY_MODEL_KEY = "state_dict"  # what lightning_par wrote before; still loaded
@@ -70,10 +69,9 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from (missing, incomplete, damaged); one line naming the file."""
 
 
-def canonical_fqn(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+# a parameter's name without wrapper components (activation checkpointing, torch.compile, FSDP1):
+# the same rule materialisation uses to find a parameter of the unwrapped model
+canonical_fqn = canonical_name
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
