@@ -154,6 +154,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from lightning_par.loggers import build_loggers, log_run_config
 
     logger = log_run_config(build_loggers(cfg.get("logger")), cfg, strategy)
+    from lightning_par.optim import apply_schedule
+
+    apply_schedule(model, cfg.get("scheduler"), cfg.data.get("global_batch_size"))  # LR schedule, scaling
     return dict(strategy=strategy, model=model, datamodule=datamodule, callbacks=callbacks, logger=logger)
 
 

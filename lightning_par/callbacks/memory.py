@@ -21,7 +21,7 @@ import torch.distributed as dist
 def unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> tuple[int, int]:
     """(all bytes, host bytes) of tensors, counting each storage once across calls sharing ``seen``."""
     total = host = 0
-    for t in tensors:
+    for t in stored_tensors(tensors):
         if t is None or t.device.type == "meta":
             continue
         storage = t.untyped_storage()
@@ -33,6 +33,18 @@ def unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> tuple[int, 
         total += nbytes
         host += nbytes if t.device.type == "cpu" else 0
     return total, host
+
+
+def stored_tensors(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
+    """The tensors that own storage: a wrapper subclass (torchao's 8-bit optimizer state: uint8 codes
+    plus fp32 block scales; a DTensor's local shard) has none itself, so its inner tensors are
+    counted instead, through the subclass protocol ``__tensor_flatten__``."""
+    for t in tensors:
+        flatten = getattr(t, "__tensor_flatten__", None) if t is not None else None
+        if callable(flatten):
+            yield from stored_tensors(getattr(t, name) for name in flatten()[0])
+        else:
+            yield t
 
 
 def peak_rss_bytes() -> int:

@@ -69,12 +69,20 @@ class ParDataModule(L.LightningDataModule):
     #: what the data produces (must match the model's ``input_kind``)
     kind: str = "tokens"
 
-    def __init__(self, global_batch_size: int = 32, seed: int = 0, shuffle: bool = True, num_workers: int = 0):
+    def __init__(self, global_batch_size: int = 32, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
+                 pin_memory: bool | None = None, persistent_workers: bool | None = None,
+                 prefetch_factor: int | None = None):
         super().__init__()
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle = shuffle
+        if num_workers < 0 or (prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1)):
+            raise ConfigError(f"data: num_workers={num_workers} must be >= 0, and prefetch_factor={prefetch_factor} "
+                              "needs num_workers > 0 and is at least 1")
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -101,8 +109,21 @@ class ParDataModule(L.LightningDataModule):
         if sampler.n_micro_batches == 0:
             raise ConfigError(f"{type(self).__name__}: {len(dataset)} samples cannot fill one global batch of "
                               f"{micro * size}; lower data.global_batch_size or add data")
-        return DataLoader(dataset, batch_size=micro, sampler=sampler, num_workers=self.num_workers,
-                          drop_last=True, persistent_workers=self.num_workers > 0)
+        return DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, **self.loader_options())
+
+    def loader_options(self) -> dict[str, Any]:
+        """DataLoader settings; unset ones follow the device: pinned host memory only when batches go to
+        a GPU (faster, asynchronous copies), workers kept alive between epochs when there are any."""
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        pin = self.pin_memory if self.pin_memory is not None else getattr(device, "type", "cpu") == "cuda"
+        options: dict[str, Any] = dict(num_workers=self.num_workers, pin_memory=pin,
+                                       persistent_workers=(self.persistent_workers if self.persistent_workers
+                                                           is not None else self.num_workers > 0))
+        if self.num_workers > 0:
+            options["prefetch_factor"] = self.prefetch_factor or 2  # torch's default
+        elif options["persistent_workers"]:
+            raise ConfigError("data.persistent_workers=true needs data.num_workers > 0")
+        return options
 
     def train_dataloader(self) -> DataLoader:
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1

@@ -20,9 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_par import ConfigError
 from lightning_par.models.cnn import CNN
 from lightning_par.models.gpt import GPT, PRESETS, GPTConfig
 from lightning_par.models.mlp import MLPNet
+from lightning_par.optim import (OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, schedule_config,
+                                 scaled_lr)
 from lightning_par.parallel.contract import ParallelPlan
 
 
@@ -37,16 +40,23 @@ class ParModule(L.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         momentum: float = 0.9,
+        scheduler: dict[str, Any] | ScheduleConfig | None = None,
+        global_batch_size: int | None = None,
     ) -> None:
         super().__init__()
-        if optimizer not in ("adamw", "adam", "sgd"):
-            raise ValueError(f"{type(self).__name__}: unknown optimizer {optimizer!r}; choose adamw, adam or sgd")
+        OptimizerConfig(optimizer)  # unknown names (and adamw8bit without torchao) fail here, in one line
         self.optimizer_name = optimizer
         self.lr = lr
         self.weight_decay = weight_decay
         self.betas = tuple(betas)
         self.momentum = momentum
+        self.schedule = scheduler if isinstance(scheduler, ScheduleConfig) else schedule_config(scheduler)
+        self.global_batch_size = global_batch_size
         self.net: nn.Module | None = None
+
+    def set_schedule(self, schedule: ScheduleConfig, global_batch_size: int | None) -> None:
+        """The ``scheduler`` config group and the run's global batch (for ``schedule.lr_scaling``)."""
+        self.schedule, self.global_batch_size = schedule, global_batch_size
 
     def configure_model(self) -> None:
         """Build the architecture once, on whatever device is current (the meta device under
@@ -74,12 +84,30 @@ class ParModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        cls = torch.optim.AdamW if self.optimizer_name == "adamw" else torch.optim.Adam
-        return cls(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+    def training_lr(self) -> float:
+        """``lr`` after the schedule's batch-size scaling rule (``lightning_par/optim.py``)."""
+        s = self.schedule
+        if s.lr_scaling == "none":
+            return self.lr
+        if not self.global_batch_size:
+            raise ConfigError(f"scheduler.lr_scaling={s.lr_scaling} needs the run's global batch size")
+        return scaled_lr(self.lr, self.global_batch_size, s.lr_scaling, s.base_batch_size)
+
+    def configure_optimizers(self) -> Any:
+        """The optimizer factory's optimizer (``lightning_par/optim.py``) and, unless the schedule is
+        ``constant``, its per-step LR scheduler."""
+        cfg = OptimizerConfig(self.optimizer_name, lr=self.training_lr(), weight_decay=self.weight_decay,
+                              betas=self.betas, momentum=self.momentum)
+        optimizer = build_optimizer(self.parameters(), cfg)
+        total = self.schedule.total_steps or (self.trainer.estimated_stepping_batches if self._trainer else None)
+        scheduler = build_scheduler(optimizer, self.schedule, int(total) if total else None)
+        if scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # the LR of this step, logged at the trainer's logging interval (a Python float: no device sync)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
 
     def parallel_plan(self) -> ParallelPlan:
         net = self.net if self.net is not None else self.build_net(device="meta")

@@ -58,7 +58,8 @@ class Zero2Optimizer(torch.optim.Optimizer):
 
     Layout: the optimizer's parameters, in param-group order, are re-pointed (``p.data = view``)
     into ONE flat buffer (fp32: Lightning's mixed precision autocasts, so no master copy is needed)
-    of ``P = ceil(Ψ / N) * N`` elements (zero padding at the end). Rank
+    of ``P = ceil(Ψ / N) * N`` elements (zero padding at the end; ``S`` is also rounded up to a multiple
+    of the inner optimizer's ``block_size`` when it has one, e.g. torchao's 8-bit AdamW). Rank
     ``r`` owns ``flat[r*S:(r+1)*S]`` with ``S = P / N``. Parameters stay full and replicated.
 
     ``step()`` runs after backward, on the *local, un-reduced* gradients (do not wrap the model in
@@ -105,7 +106,10 @@ class Zero2Optimizer(torch.optim.Optimizer):
             self._offsets.append(total)
             total += p.numel()
         n = self.world_size
-        self.shard_size = S = -(-total // n)
+        # a block-quantised inner optimizer (torchao's AdamW8bit: one scale per ``block_size`` elements)
+        # quantises only tensors whose size is a multiple of its block: round the shard up to one
+        block = int(getattr(optimizer, "block_size", 1))
+        self.shard_size = S = -(-total // (n * block)) * block
         padded = S * n
         first = self._params[0]
         # 1. one flat buffer; every parameter becomes a view of it (identical on every rank)
