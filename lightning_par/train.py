@@ -142,7 +142,10 @@ def _restored_process_env() -> Iterator[None]:
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate every part of a run from its config (no processes started)."""
     try:
-        strategy = instantiate(cfg.strategy)
+        from lightning_par.parallel.tiling import pop_tiling, set_tiling
+
+        strategy_cfg, tiling = pop_tiling(cfg.strategy)  # an option of every strategy (parallel/tiling.py)
+        strategy = instantiate(strategy_cfg)
         model = instantiate(cfg.model)
         datamodule = instantiate(cfg.data)
         with torch.device("meta"):  # what the strategies will do too: shapes only, no memory
@@ -150,6 +153,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     except Exception as e:  # hydra wraps constructor errors; show the cause in one line
         cause = e.__cause__ or e
         raise ConfigError(f"{type(cause).__name__}: {cause}") from None
+    set_compile(strategy, cfg.get("compile", False))
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     from lightning_par.loggers import build_loggers, log_run_config
 
@@ -157,7 +161,19 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from lightning_par.optim import apply_schedule
 
     apply_schedule(model, cfg.get("scheduler"), cfg.data.get("global_batch_size"))  # LR schedule, scaling
+    set_tiling(strategy, tiling)
     return dict(strategy=strategy, model=model, datamodule=datamodule, callbacks=callbacks, logger=logger)
+
+
+def set_compile(strategy: Any, option: Any) -> None:
+    """The top-level ``compile`` key onto the strategy (checked here, before any process starts)."""
+    from lightning_par.strategies.base import ParStrategyMixin, compile_fields
+
+    option = OmegaConf.to_container(option) if isinstance(option, DictConfig) else option
+    if compile_fields(option)["compile"] and not isinstance(strategy, ParStrategyMixin):
+        raise ConfigError(f"compile={option} needs a lightning_par strategy, not {type(strategy).__name__}")
+    if isinstance(strategy, ParStrategyMixin):
+        strategy.compile = option
 
 
 def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:

@@ -6,10 +6,14 @@ signal handler*, at whatever point each rank happens to be, and a rank that rece
 own raises at its own step -- the ranks' collectives stop matching and every rank hangs. Here the
 handler only sets a flag; the ranks agree at an optimizer-step boundary:
 
-- every ``check_every_n_steps`` optimizer steps each rank starts an asynchronous all-reduce (MAX) of
-  two numbers, [non-finite loss seen, signal received], and reads the result at the next check, so
-  no rank waits for it (and on the host side the summary's per-step loss read has already
-  synchronized the device by then: no extra stall);
+- every ``check_every_n_steps`` optimizer steps (default 10 in the app's config) each rank starts an
+  asynchronous all-reduce (MAX) of two numbers, [non-finite loss seen, signal received], and reads
+  the result at the next check, ``check_every_n_steps`` steps later, so no rank waits for it and the
+  host synchronises with the device once per check, on work enqueued a whole interval earlier;
+- Lightning 2.6 itself broadcasts a SIGTERM flag from rank 0 before *every* training batch (a
+  blocking collective and a host read, ``_TrainingEpochLoop._broadcast_sigterm_tensor``). With the
+  guard's handler in place of Lightning's, that flag is always 0, so the guard turns that broadcast
+  off for the run: the guard's own check is the ranks' agreement on signals;
 - all ranks see the same result at the same step and act together: a signal writes a resumable
   checkpoint (``<checkpoint dir>/stepNNNNNN.ckpt``, found by ``ckpt_path=auto``) and raises
   ``RunStopped`` (exit status 143, 128 + SIGTERM); under Slurm with auto-requeue the requeue signal
@@ -70,7 +74,7 @@ class RunGuard(L.Callback):
             there is one, else ``<default_root_dir>/checkpoints``.
     """
 
-    def __init__(self, nonfinite: str = "stop", check_every_n_steps: int = 1, checkpoint_dir: str | None = None) -> None:
+    def __init__(self, nonfinite: str = "stop", check_every_n_steps: int = 10, checkpoint_dir: str | None = None) -> None:
         if nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"RunGuard: nonfinite={nonfinite!r}; choose from: {', '.join(NONFINITE_ACTIONS)}")
         if int(check_every_n_steps) < 1:
@@ -100,6 +104,8 @@ class RunGuard(L.Callback):
         # Lightning registered its handlers just before this hook and restores the previous ones at teardown
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._handler(_SIGTERM))
+            # Lightning's SIGTERM flag can no longer be set: its per-batch broadcast of it is dead weight
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
             from lightning.fabric.plugins.environments import SLURMEnvironment
 
             env = trainer._accelerator_connector.cluster_environment

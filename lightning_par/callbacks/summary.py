@@ -5,7 +5,8 @@ records its local loss per optimizer step (summing the accumulation-normalized m
 Lightning hands to ``on_train_batch_end``); at the end one all-reduce averages them over ranks
 (data-parallel ranks hold equal-size slices, so the mean of means is the global-batch mean; tensor-
 and pipeline-parallel ranks of one replica report the same loss). One collective per run, none per
-step. The other measurement callbacks (memory, throughput, pipeline bubble) contribute through
+step, and no host synchronisation per step either: the losses stay on the device (``StepLosses``)
+until the end. The other measurement callbacks (memory, throughput, pipeline bubble) contribute through
 their ``summary()`` methods.
 """
 
@@ -46,6 +47,38 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def compile_facts(modules: int | None) -> dict[str, int] | None:
+    """What torch.compile did in this process: compiled modules, Dynamo graphs, graph breaks."""
+    if not modules:
+        return None
+    from torch._dynamo.utils import counters
+
+    return {"modules": int(modules), "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+class StepLosses:
+    """Per-step losses kept on the device: a buffer that grows by doubling, written with an indexed
+    copy (a kernel launch, no host synchronisation); read once at the end."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self.n = 0
+
+    def append(self, value: torch.Tensor) -> None:
+        if self._buf is None:
+            self._buf = torch.zeros(256, dtype=torch.float64, device=value.device)
+        elif self.n == self._buf.numel():
+            self._buf = torch.cat([self._buf, torch.zeros_like(self._buf)])
+        self._buf[self.n] = value
+        self.n += 1
+
+    def values(self, device: torch.device) -> torch.Tensor:
+        if self._buf is None:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return self._buf[: self.n]
+
+
 class RunSummary(L.Callback):
     """Writes ``summary.json`` from global rank 0 and prints a table.
 
@@ -61,9 +94,9 @@ class RunSummary(L.Callback):
         self.strategy_name = strategy_name
         self.model_name = model_name
         self.extra = dict(extra or {})
-        self._local: list[float] = []
+        self._local = StepLosses()
         self._restored: list[float] = []  # global losses of the steps before a resume (from the checkpoint)
-        self._current = 0.0
+        self._current: torch.Tensor | None = None  # this step's loss so far (sum over accumulated micro-batches)
         self._step_seen = 0
         self.n_params = 0
         self.summary: dict[str, Any] = {}
@@ -73,12 +106,12 @@ class RunSummary(L.Callback):
         self.n_params = sum(p.numel() for p in pl_module.parameters())
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._local, self._current, self._step_seen = [], 0.0, trainer.global_step
+        self._local, self._current, self._step_seen = StepLosses(), None, trainer.global_step
         self._restored = self._restored[: trainer.global_step]
 
     def _global_losses(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[float]:
         """Losses of every step so far, averaged over ranks (a collective: every rank must call it)."""
-        local = torch.tensor(self._local, dtype=torch.float64, device=pl_module.device)
+        local = self._local.values(pl_module.device).clone()
         if trainer.world_size > 1:
             local = trainer.strategy.reduce(local, reduce_op="mean")
         return self._restored + [float(x) for x in local.cpu()]
@@ -95,11 +128,15 @@ class RunSummary(L.Callback):
                            batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
-            self._current += float(loss)
+            loss = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else \
+                torch.tensor(float(loss), dtype=torch.float64, device=pl_module.device)
+            self._current = loss if self._current is None else self._current + loss
         if trainer.global_step != self._step_seen:  # an optimizer step just ended
             self._step_seen = trainer.global_step
-            self._local.append(self._current)
-            self._current = 0.0
+            current = self._current if self._current is not None else \
+                torch.zeros((), dtype=torch.float64, device=pl_module.device)
+            self._local.append(current)
+            self._current = None
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         losses = self._global_losses(trainer, pl_module)
@@ -120,6 +157,7 @@ class RunSummary(L.Callback):
             "model": self.model_name or type(pl_module).__name__,
             "n_params": int(facts.get("n_params", self.n_params)),
             "units_rule": facts.get("units_rule"),
+            "compile": compile_facts(facts.get("compiled_modules")),
             "precision": str(trainer.precision),
             "global_batch_size": int(getattr(dm, "global_batch_size", 0) or 0) or None,
             "steps": len(losses),

@@ -4,8 +4,16 @@ Step time is the wall time between consecutive optimizer-step ends (so it includ
 forward, backward, communication and the optimizer). FLOPs per optimizer step come from torch's
 FLOP counter (through Lightning's ``measure_flops``) run once on a meta-device copy of the model's
 architecture -- forward and backward for the whole global batch, no real compute. MFU divides the
-achieved model FLOP/s by the device peak from Lightning's ``get_available_flops`` table times the
-number of ranks; where the peak is unknown (CPU), MFU is null. Per-step figures also go to the logger.
+achieved model FLOP/s by the dense device peak for the dtype the matmuls run in (``matmul_dtype``:
+FSDP's ``param_dtype`` when the strategy sets one, else the trainer's precision; peaks from
+``lightning_par/devices.py``, or ``peak_tflops`` to override) times the number of ranks; where the
+peak is unknown (CPU), MFU is null.
+
+No host synchronisation per step: on CUDA the device is synchronised only every
+``every_n_steps`` optimizer steps (default 10), and a window's time divided by its steps is the
+step time of each of its steps; on CPU, where the work is synchronous, every step is timed on its
+own. Windows that start within the first ``warmup_steps`` steps are left out of the median. Window
+figures also go to the logger.
 
 Why not Lightning's ``ThroughputMonitor`` / ``Throughput`` (we do use their ``measure_flops`` and
 ``get_available_flops``): (1) they turn per-device figures into global ones by multiplying by the
@@ -24,13 +32,26 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
+from lightning.fabric.utilities.throughput import measure_flops
+
+from lightning_par.devices import peak_flops_per_device
 
 _DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 
 def precision_dtype(precision: str) -> torch.dtype:
     return _DTYPES.get(str(precision).split("-")[0], torch.float32)
+
+
+def matmul_dtype(trainer: L.Trainer) -> torch.dtype:
+    """The dtype the model's matmuls run in: FSDP mixed precision's ``param_dtype`` if the strategy
+    has one, else what the trainer's precision computes in (bf16-mixed: bf16, 32-true: fp32)."""
+    param_dtype = getattr(trainer.strategy, "param_dtype", None)
+    if isinstance(param_dtype, torch.dtype):
+        return param_dtype
+    if param_dtype:
+        return precision_dtype(str(param_dtype).removeprefix("fp"))
+    return precision_dtype(trainer.precision)
 
 
 def model_flops_per_batch(pl_module: L.LightningModule, batch_size: int) -> int | None:
@@ -52,55 +73,91 @@ class ThroughputMonitor(L.Callback):
 
     Args:
         warmup_steps: optimizer steps excluded from the step-time median (first steps pay one-off costs).
+        every_n_steps: on CUDA, synchronise and time every this many optimizer steps (None: 10); on
+            CPU every step is timed (there is nothing to synchronise).
+        peak_tflops: the device's peak TFLOP/s for MFU, instead of the built-in table.
     """
 
-    def __init__(self, warmup_steps: int = 3) -> None:
+    def __init__(self, warmup_steps: int = 3, every_n_steps: int | None = None,
+                 peak_tflops: float | None = None) -> None:
+        if every_n_steps is not None and int(every_n_steps) < 1:
+            raise ValueError(f"ThroughputMonitor: every_n_steps={every_n_steps} must be >= 1")
         self.warmup_steps = warmup_steps
-        self.step_times: list[float] = []
-        self._last: float | None = None
+        self.every_n_steps = every_n_steps
+        self.peak_tflops = peak_tflops
+        #: timed windows: (first step after the window's start, steps in it, seconds per step)
+        self.windows: list[tuple[int, int, float]] = []
+        self._open: tuple[float, int] | None = None  # the open window: (start time, global step at its start)
         self._step_seen = -1
+        self._start_step = 0
+        self._every = 1
+        self._cuda: torch.device | None = None
         self.flops_per_step: int | None = None
-        self.peak_flops_per_rank: int | None = None
+        self.peak_flops_per_rank: float | None = None
+        self.matmul_dtype: torch.dtype | None = None
         self.global_batch_size: int = 0
         self.tokens_per_sample: int = 0
         self.world_size = 1
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds per optimizer step, one entry per timed step."""
+        return [dt for _, n, dt in self.windows for _ in range(n)]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dm = trainer.datamodule
         self.global_batch_size = int(getattr(dm, "global_batch_size", 0) or 0)
         self.tokens_per_sample = int(getattr(dm, "seq_len", 0) or 0) if getattr(dm, "kind", "") == "tokens" else 0
         self.world_size = trainer.world_size
-        self.step_times, self._last, self._step_seen = [], None, trainer.global_step
+        self.windows, self._open = [], None
+        self._step_seen = self._start_step = trainer.global_step
+        self._cuda = pl_module.device if pl_module.device.type == "cuda" else None
+        self._every = int(self.every_n_steps or 10) if self._cuda is not None else 1
         if self.global_batch_size:
             self.flops_per_step = model_flops_per_batch(pl_module, self.global_batch_size)
-        self.peak_flops_per_rank = None
-        if pl_module.device.type == "cuda":
-            self.peak_flops_per_rank = get_available_flops(pl_module.device, precision_dtype(trainer.precision))
+        self.matmul_dtype = matmul_dtype(trainer)
+        self.peak_flops_per_rank = peak_flops_per_device(pl_module.device, self.matmul_dtype, self.peak_tflops)
+
+    def _now(self) -> float:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)  # once per window
+        return time.perf_counter()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
-        if self._last is None:
-            self._last = time.perf_counter()
+        if self._open is None:
+            self._open = (self._now(), trainer.global_step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step == self._step_seen:  # still accumulating
             return
         self._step_seen = trainer.global_step
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-        now = time.perf_counter()
-        dt = now - self._last
-        self._last = now
-        self.step_times.append(dt)
+        if self._open is not None and trainer.global_step - self._open[1] >= self._every:
+            self._close(pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._open is not None and self._step_seen > self._open[1]:
+            self._close(pl_module, log=False)  # the last, shorter window (Lightning allows no logging here)
+
+    def _close(self, pl_module: L.LightningModule, log: bool = True) -> None:
+        assert self._open is not None
+        started, step0 = self._open
+        now = self._now()
+        steps = self._step_seen - step0
+        dt = (now - started) / steps
+        self.windows.append((step0 + 1, steps, dt))
+        self._open = (now, self._step_seen)
         metrics = {"perf/step_time_s": dt}
         if self.global_batch_size:
             metrics["perf/samples_per_s"] = self.global_batch_size / dt
         if self.flops_per_step and self.peak_flops_per_rank:
             metrics["perf/mfu"] = self.flops_per_step / dt / (self.peak_flops_per_rank * self.world_size)
-        pl_module.log_dict(metrics, rank_zero_only=True)
+        if log:
+            pl_module.log_dict(metrics, rank_zero_only=True)
 
     def summary(self) -> dict[str, Any]:
-        measured = self.step_times[self.warmup_steps :] or self.step_times
+        measured = [dt for first, n, dt in self.windows if first - self._start_step > self.warmup_steps
+                    for _ in range(n)] or self.step_times
         if not measured:
             return {"step_time_s": None, "samples_per_s": None, "tokens_per_s": None, "mfu": None}
         step = statistics.median(measured)
@@ -110,4 +167,5 @@ class ThroughputMonitor(L.Callback):
         if self.flops_per_step and self.peak_flops_per_rank:
             mfu = self.flops_per_step / step / (self.peak_flops_per_rank * self.world_size)
         return {"step_time_s": step, "samples_per_s": samples, "tokens_per_s": tokens, "mfu": mfu,
-                "flops_per_step": self.flops_per_step}
+                "flops_per_step": self.flops_per_step,
+                "matmul_dtype": str(self.matmul_dtype).removeprefix("torch.") if self.matmul_dtype else None}

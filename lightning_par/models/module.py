@@ -75,7 +75,9 @@ class ParModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.loss_fn(self(x), y)
-        self.log("train/loss", loss, prog_bar=True)
+        # not prog_bar: Lightning turns progress-bar values into Python floats every step (a host
+        # synchronisation); the loggers get it every log_every_n_steps, summary.json every step
+        self.log("train/loss", loss)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -19,8 +19,9 @@ parallelism in ``configure_model``), its launcher (multirun-safe) and its checkp
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +38,7 @@ from lightning_par import ConfigError
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
+from lightning_par.parallel.tiling import check_tiling
 from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
 # LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
@@ -59,9 +61,15 @@ class ParStrategyMixin:
     #: True when the strategy keeps model states in host memory (offload)
     offloads: bool = False
     activation_checkpointing: bool = False
-    compile: bool = False
+    #: ``torch.compile`` each repeated block in place: False, True, or torch.compile's keyword arguments
+    #: (``{"mode": "max-autotune-no-cudagraphs"}``); the app sets it from the top-level ``compile`` key,
+    #: a user's own Trainer by ``strategy.compile = True`` before ``fit``
+    compile: bool | dict[str, Any] = False
     #: what setup learnt about the model (units rule, parameter count), for the run summary
     model_facts: dict[str, Any] = {}
+    #: memory-centric tiling: module path -> tile count (``parallel/tiling.py``); the app sets it from
+    #: ``strategy.tiling``, a user's own Trainer by ``strategy.tiling = {...}`` before ``fit``
+    tiling: dict[str, int] = {}
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:
@@ -123,9 +131,13 @@ class ParStrategyMixin:
         seed = int(self.broadcast(torch.initial_seed() % (1 << 31)))  # one seed: the same weights on every rank
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
                           activation_checkpointing=self.activation_checkpointing,
-                          own_checkpointing=checkpointing_fn_of(module), compile=self.compile,
+                          own_checkpointing=checkpointing_fn_of(module), **compile_fields(self.compile),
                           **self.techniques(module, resolved))
-        stages = parallelize(module, spec)
+        tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
+        stages = parallelize(module, replace(spec, tiling=check_tiling(self.tiling, tp_plan)))
+        # what compile did, for the run summary: modules whose call runs through torch.compile
+        self.model_facts["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None
+                                                   for m in module.modules())
         if isinstance(module, FSDPModule):
             for name in _STEP_METHODS:
                 if callable(getattr(module, name, None)):
@@ -154,6 +166,18 @@ class ParStrategyMixin:
 
     def describe(self) -> dict[str, Any]:
         return {"mesh": self.mesh_sizes, **self.model_facts}
+
+
+def compile_fields(option: bool | dict[str, Any] | None) -> dict[str, Any]:
+    """``Techniques``' compile fields from the ``compile`` option (False / True / torch.compile kwargs)."""
+    if option is None or option is False:
+        return {"compile": False}
+    if option is True:
+        return {"compile": True}
+    if isinstance(option, Mapping):
+        return {"compile": True, "compile_kwargs": dict(option)}
+    raise ConfigError(f"compile={option!r}: expected true, false or torch.compile's keyword arguments "
+                      "(e.g. compile={mode:max-autotune-no-cudagraphs})")
 
 
 def _optimizer_states(opt: Any) -> Iterator[dict]:
