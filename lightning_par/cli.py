@@ -5,6 +5,7 @@ over the configs shipped in the package (``lightning_par/conf``, searched as ``p
     lightning-par strategy=ddp trainer.devices=2         # 2 processes (gloo on CPU, NCCL on GPU)
     lightning-par -m strategy=single,ddp trainer.devices=2   # sweep: one output dir per job
     lightning-par mode=estimate model=gpt2_xl trainer.devices=64   # memory table, no training
+    lightning-par mode=find_batch_size strategy=zero3 trainer.devices=2 find_batch_size.max_memory_gb=1
     lightning-par 'hydra.searchpath=[file:///my/conf]' logger=my_logger   # configs of your own
     torchrun --nproc-per-node=2 --max-restarts=3 -m lightning_par strategy=ddp callbacks=checkpoint ckpt_path=auto
 
@@ -182,8 +183,13 @@ def _run(cfg: DictConfig) -> float | None:
 
         run_estimate(cfg)
         return None
+    if cfg.mode == "find_batch_size":
+        from lightning_par.batch_size import find_batch_size
+
+        find_batch_size(cfg)
+        return None
     if cfg.mode != "train":
-        raise ConfigError(f"unknown mode {cfg.mode!r}; choose from: train, estimate")
+        raise ConfigError(f"unknown mode {cfg.mode!r}; choose from: train, estimate, find_batch_size")
     from lightning_par.train import train
 
     summary = train(cfg)

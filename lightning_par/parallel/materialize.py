@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_par.parallel.ties import retie, tied_parameters
+from lightning_par.parallel.tiling import tile_sources
 
 InitFn = Callable[[nn.Module], None]
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -99,10 +100,11 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         targets[canonical_name(name)] = t
     filled: set[str] = set()
+    pieces = tile_sources(module, canonical_name)  # a tiled layer's tiles take row blocks of its init
     for path, template in templates.items():
         prefix = f"{path}." if path else ""
         names = [prefix + n for n, _ in [*template.named_parameters(), *template.named_buffers()]]
-        if not any(n in targets for n in names):
+        if not any(n in targets or n in pieces for n in names):
             continue  # lives on another pipeline rank
         host = template.to_empty(device="cpu")
         with torch.random.fork_rng(devices=[]):
@@ -114,6 +116,10 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
             if key in targets:
                 _copy_local(targets[key], full)
                 filled.add(key)
+            for piece, rows in pieces.get(key, ()):
+                if piece in targets:
+                    _copy_local(targets[piece], full[rows])
+                    filled.add(piece)
         host = full = None  # drop the last references before trimming
         templates[path] = template.to("meta")  # release the host copy
         _release_free_memory()

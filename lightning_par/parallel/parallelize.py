@@ -4,12 +4,14 @@ Every strategy and every pipeline stage goes through ``parallelize(module, spec)
 
 0. remember how to initialise the model (meta copies of its init groups, ``materialize.py``), or,
    for a model built with real tensors, move it to the device;
-1. cut pipeline stages (``spec.cut``: keeps this rank's stages, drops the other layers);
-2. tensor parallel on each stage (or the whole model);
-3. activation checkpointing of the blocks present;
-4. compilation of each block (``module.compile()`` in place: state-dict keys do not change);
-5. FSDP2 ``fully_shard`` (units, then the stage/model root);
-6. materialise: allocate only this rank's local tensors and fill them with the model's own,
+1. tile the layers named in ``spec.tiling`` (``tiling.py``: a large ``nn.Linear`` becomes k
+   tiles computed in turn; each tile is checkpointed in step 4 and is an FSDP unit in step 6);
+2. cut pipeline stages (``spec.cut``: keeps this rank's stages, drops the other layers);
+3. tensor parallel on each stage (or the whole model);
+4. activation checkpointing of the blocks present (and of the tiles);
+5. compilation of each block (``module.compile()`` in place: state-dict keys do not change);
+6. FSDP2 ``fully_shard`` (units, then the stage/model root);
+7. materialise: allocate only this rank's local tensors and fill them with the model's own,
    layout-independent initialisation.
 
 DDP wrapping and the optimizer come after, in the strategy (Lightning's DDP wrapper broadcasts
@@ -34,6 +36,7 @@ from lightning_par.parallel.discovery import ResolvedPlan, init_groups
 from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
 from lightning_par.parallel.materialize import InitFn, capture_templates, has_meta_tensors, materialize
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_par.parallel.tiling import apply_tiling
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,9 @@ class Techniques:
     plan: ResolvedPlan
     seed: int = 0
     init_fn: InitFn | None = None
-    #: step 1: takes the whole model, returns this rank's stage modules (sharing its submodules)
+    #: step 1: module path -> tile count (``tiling.py``), e.g. ``{"net.head.lm_head": 4}``
+    tiling: dict[str, int] = field(default_factory=dict)
+    #: step 2: takes the whole model, returns this rank's stage modules (sharing its submodules)
     cut: Callable[[nn.Module], list[nn.Module]] | None = None
     tensor_parallel: TensorParallel | None = None
     activation_checkpointing: bool = False
@@ -102,29 +107,35 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
     if not deferred:
         module.to(spec.device)
 
-    stages = spec.cut(module) if spec.cut is not None else [module]                      # 1. pipeline cut
+    tiles = apply_tiling(module, spec.tiling) if spec.tiling else []                     # 1. tiling
+    stages = spec.cut(module) if spec.cut is not None else [module]                      # 2. pipeline cut
     for stage in stages:
-        if spec.tensor_parallel is not None:                                             # 2. tensor parallel
+        if spec.tensor_parallel is not None:                                             # 3. tensor parallel
             tp = spec.tensor_parallel
             # a pipeline stage registers its layers under their full paths: the plan's patterns fit as they are
             apply_tensor_parallel(stage, tp_mesh=tp.mesh, plan=plan.tp_plan,
                                   sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
                                   divisible=plan.tp_divisible, strict=spec.cut is None)
         blocks = _blocks_in(stage, module, plan.blocks)
-        if spec.activation_checkpointing:                                                # 3. checkpointing
+        stage_tiles = _blocks_in(stage, module, tiles)
+        if spec.activation_checkpointing:                                                # 4. checkpointing
             if spec.own_checkpointing is None or not spec.own_checkpointing(stage):
                 apply_activation_checkpointing(stage, blocks=blocks)
-        if spec.compile:                                                                 # 4. compile
+        apply_activation_checkpointing(stage, blocks=stage_tiles)  # tiles: always (their point is memory)
+        if spec.compile:                                                                 # 5. compile
             for path in blocks:
                 stage.get_submodule(path).compile(**spec.compile_kwargs)
-        if spec.fully_shard is not None:                                                 # 5. FSDP
+        if spec.fully_shard is not None:                                                 # 6. FSDP
             fs = spec.fully_shard
             units = blocks if fs.units is None else resolve_units(stage, fs.units if isinstance(fs.units, (str, int))
                                                                   else list(fs.units))
+            if stage_tiles:  # each tile a unit of its own (nested units are sharded first), in model order
+                order = {name: i for i, (name, _) in enumerate(stage.named_modules())}
+                units = sorted({*units, *stage_tiles}, key=order.__getitem__)
             apply_fsdp(stage, mesh=fs.mesh, units=units, reshard_after_forward=fs.reshard_after_forward,
                        param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
                        prefetch=fs.prefetch)
-    if templates is not None:                                                            # 6. materialise
+    if templates is not None:                                                            # 7. materialise
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
     return stages
