@@ -6,7 +6,7 @@ architecture (``lightning_par.models.gpt``) do not pay for importing Lightning.
 
 from lightning_par.parallel.contract import ParallelPlan
 
-__all__ = ["CNNModule", "GPTModule", "MLPModule", "ParModule", "ParallelPlan"]
+__all__ = ["CNNModule", "GPTModule", "MLPModule", "MoEModule", "ParModule", "ParallelPlan"]
 
 
 def __getattr__(name: str):
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from lightning_par.models import module
 
         return getattr(module, name)
+    if name == "MoEModule":
+        from lightning_par.models.moe_module import MoEModule
+
+        return MoEModule
     raise AttributeError(f"module 'lightning_par.models' has no attribute {name!r}")

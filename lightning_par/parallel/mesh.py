@@ -3,8 +3,10 @@
 ``ParallelDims`` holds the degree of every axis (1 = off), checks that their product is the world
 size, and builds a named ``DeviceMesh`` containing only the axes that are on. Axes are always
 fetched by name (``dims.dp``, ``mesh["tp"]``), never by position, so a strategy never assumes a
-1-D mesh. Axis order, outermost first: pp, dp_replicate, dp_shard, tp -- tensor parallelism is
+1-D mesh. Axis order, outermost first: pp, dp_replicate, dp_shard, ep, tp -- tensor parallelism is
 innermost so its groups are neighbouring ranks (same node), pipeline outermost (crosses nodes).
+``ep`` (expert parallelism) is a data axis too: its ranks see different batches and exchange
+tokens with all-to-all (``parallel/expert_parallel.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 #: the axes over which ranks see different data, outermost first
-DATA_AXES = ("dp_replicate", "dp_shard")
+DATA_AXES = ("dp_replicate", "dp_shard", "ep")
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,14 @@ class ParallelDims:
         dp_replicate: data-parallel replicas holding full copies (DDP, or HSDP's replicate axis).
         dp_shard: data-parallel ranks that shard model states (ZeRO / FSDP's shard axis).
         tp: tensor-parallel ranks (horizontal split of each weight matrix).
+        ep: expert-parallel ranks: each holds 1/ep of the routed experts and its own batch.
     """
 
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -43,12 +47,12 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.tp
 
     @property
     def dp(self) -> int:
         """Total data-parallel degree: the number of different batches processed per step."""
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.ep
 
     def sizes(self) -> dict[str, int]:
         """Axis name -> size, for the axes that are on (all of them when everything is off)."""

@@ -7,10 +7,12 @@ Every strategy and every pipeline stage goes through ``parallelize(module, spec)
 1. tile the layers named in ``spec.tiling`` (``tiling.py``: a large ``nn.Linear`` becomes k
    tiles computed in turn; each tile is checkpointed in step 4 and is an FSDP unit in step 6);
 2. cut pipeline stages (``spec.cut``: keeps this rank's stages, drops the other layers);
-3. tensor parallel on each stage (or the whole model);
+3. tensor parallel on each stage (or the whole model), then expert parallel (``spec.expert_parallel``:
+   the routed experts sharded over the ep axis, ``expert_parallel.py``);
 4. activation checkpointing of the blocks present (and of the tiles);
 5. compilation of each block (``module.compile()`` in place: state-dict keys do not change);
-6. FSDP2 ``fully_shard`` (units, then the stage/model root);
+6. FSDP2 ``fully_shard`` (the expert modules over their own data axis, then units, then the
+   stage/model root);
 7. materialise: allocate only this rank's local tensors and fill them with the model's own,
    layout-independent initialisation.
 
@@ -33,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.parallel.checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.discovery import ResolvedPlan, init_groups
+from lightning_par.parallel.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
 from lightning_par.parallel.materialize import InitFn, capture_templates, has_meta_tensors, materialize
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
@@ -62,6 +65,14 @@ class FullyShard:
 
 
 @dataclass(frozen=True)
+class ExpertParallel:
+    mesh: DeviceMesh  #: the ep axis
+    experts: tuple[str, ...]  #: the expert modules (paths in the model)
+    #: the data axis beside ep that FSDP shards the experts over (None: not sharded further)
+    fsdp_mesh: DeviceMesh | None = None
+
+
+@dataclass(frozen=True)
 class Techniques:
     """What to apply; ``None``/``False`` skips a step."""
 
@@ -74,6 +85,7 @@ class Techniques:
     #: step 2: takes the whole model, returns this rank's stage modules (sharing its submodules)
     cut: Callable[[nn.Module], list[nn.Module]] | None = None
     tensor_parallel: TensorParallel | None = None
+    expert_parallel: ExpertParallel | None = None
     activation_checkpointing: bool = False
     #: step 3 for models with their own mechanism (Hugging Face ``gradient_checkpointing_enable``)
     own_checkpointing: Callable[[nn.Module], bool] | None = None
@@ -116,6 +128,9 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
             apply_tensor_parallel(stage, tp_mesh=tp.mesh, plan=plan.tp_plan,
                                   sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
                                   divisible=plan.tp_divisible, strict=spec.cut is None)
+        if spec.expert_parallel is not None:                                             # 3. expert parallel
+            ep = spec.expert_parallel
+            expert_modules = apply_expert_parallel(stage, ep_mesh=ep.mesh, experts=_blocks_in(stage, module, ep.experts))
         blocks = _blocks_in(stage, module, plan.blocks)
         stage_tiles = _blocks_in(stage, module, tiles)
         if spec.activation_checkpointing:                                                # 4. checkpointing
@@ -127,6 +142,10 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                 stage.get_submodule(path).compile(**spec.compile_kwargs)
         if spec.fully_shard is not None:                                                 # 6. FSDP
             fs = spec.fully_shard
+            if spec.expert_parallel is not None and spec.expert_parallel.fsdp_mesh is not None:
+                ep = spec.expert_parallel
+                shard_experts(expert_modules, mesh=ep.fsdp_mesh, reshard_after_forward=fs.reshard_after_forward,
+                              param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype)
             units = blocks if fs.units is None else resolve_units(stage, fs.units if isinstance(fs.units, (str, int))
                                                                   else list(fs.units))
             if stage_tiles:  # each tile a unit of its own (nested units are sharded first), in model order

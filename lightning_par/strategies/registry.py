@@ -32,6 +32,7 @@ def _entries() -> dict[str, tuple[type, dict, str]]:
         "lp_tensor_parallel": (s.TensorParallelStrategy, {}, "tensor parallel from the model's tp plan"),
         "lp_fsdp_tp": (s.FSDPTPStrategy, {}, "2-D: tensor parallel x FSDP"),
         "lp_3d": (s.Parallel3DStrategy, {}, "3-D: pipeline x tensor x data parallel"),
+        "lp_expert_parallel": (s.ExpertParallelStrategy, {}, "MoE experts over an ep axis (all-to-all) x data parallel"),
     }
 
 
