@@ -1,93 +1,68 @@
-"""Memory per rank of every data-parallel strategy: the model of the ZeRO paper, plus activations.
+"""Memory per rank of every strategy: model states (the ZeRO paper's formulas), activations of
+today's kernels and the transient peak of a step. Theory and terms: docs/cost_model.md.
 
-Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", Section 3.1 and Figure 1). With Ψ parameters, N data-parallel ranks and
-bytes per parameter ``p`` (params), ``g`` (grads), ``k`` (optimizer state)::
+Model states (Rajbhandari et al. 2020, Section 3.1): with Ψ parameters over N ranks and ``p``,
+``g``, ``k`` bytes per parameter (``costs/states.py``)::
 
-    ddp / single   (p + g + k) Ψ                 the paper's "baseline"
-    zero1  P_os    (p + g) Ψ + k Ψ / N
-    zero2  P_os+g  p Ψ + (g + k) Ψ / N
-    zero3  P_os+g+p, and fsdp:  (p + g + k) Ψ / N
-    zero3_offload  0 on the device; the (p + g + k) Ψ / N shard lives in host memory (``offloaded``)
+    ddp / single   (p + g + k) Ψ          zero1  (p + g) Ψ + k Ψ / N        zero2  p Ψ + (g + k) Ψ / N
+    zero3 / fsdp   (p + g + k) Ψ / N      zero3_offload: that shard in host memory (``offloaded``)
 
-Sharded sizes use ceil(Ψ / N) elements (buffers are padded to a multiple of N). Transient
-buffers are not counted: FSDP/ZeRO-3's all-gathered unit (about one block's full parameters,
-two with prefetch) and ZeRO-2's full gradient between backward and the reduce-scatter.
+On top of them ``costs/peak.py`` walks the step: activations (``costs/activations.py``: fused SDPA
+vs the math path, logits and fp32 loss buffers, dropout masks, checkpointing, pipeline micro-batches
+in flight, TP/SP sharding) and the transient buffers (ZeRO-2's full gradients, FSDP's all-gathered
+units with prefetch, the optimizer step's temporaries). ``peak`` (also ``total``) is what a device
+must hold; ``states`` is the paper's figure.
 
-Bytes per parameter describe what lightning_par stores (``optimizer`` adam/adamw: m and v;
-sgd: the momentum buffer):
-
-    precision      p  g  k (adam)            k (sgd)    activations
-    32-true        4  4  8  (fp32 m, v)      4          32-bit
-    bf16-mixed     4  4  8                   4          16-bit (autocast: fp32 weights, bf16 compute)
-    16-mixed       4  4  8                   4          16-bit
-    bf16-true      2  2  4  (bf16 m, v)      2          16-bit
-    paper-mixed    2  2  12 (fp32 master+m+v) 8         16-bit   -- the paper's K = 12
-
-So Lightning's "bf16-mixed" costs 16 Ψ like the paper's mixed precision, but as 4+4+8, not 2+2+12.
-
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", Section 4.1, Eq. 1): one transformer layer stores, in bytes at 16-bit,
-
-    A_layer = s b h (34 + 5 a s / h)
-
-(s sequence length, b micro-batch size, h hidden size, a heads; 34 s b h = attention 11 s b h +
-MLP 19 s b h + two LayerNorms 4 s b h, 5 a s^2 b = QK^T scores, softmax output and its dropout
-mask). We use L * A_layer and, for 32-bit activations ("32-true"), 2 * L * A_layer. With full
-activation checkpointing only each layer's input is kept, 2 s b h bytes per layer (16-bit), and
-one layer is recomputed at a time: L * 2 s b h + A_layer (both doubled for 32-bit). Not counted:
-embeddings and the output layer/logits (small next to L layers, as the paper notes). The formula
-is an upper bound for lightning_par's GPT: it has no dropout by default (1-byte masks absent) and
-``scaled_dot_product_attention`` with a fused kernel never stores the s x s matrices.
+Every strategy declares what it shards in ``SHARDING`` below (a strategy config without an entry
+fails ``tests/test_estimate.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import asdict, dataclass
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "paper-mixed")
-OPTIMIZERS = ("adamw", "adam", "sgd")
+from lightning_par.costs.activations import Shape
+from lightning_par.costs.peak import Layout, step_peak
+from lightning_par.costs.states import OPTIMIZERS, PRECISIONS, bytes_per_param, check, optimizer_state_bytes
+
+__all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "SHARDING", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
+           "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes",
+           "run_estimate"]
+
 GIB = 2**30
-
-# precision -> (param bytes, grad bytes, bytes per optimizer-state element, master-copy bytes, activation bytes)
-_LAYOUT = {
-    "32-true": (4, 4, 4, 0, 4),
-    "bf16-mixed": (4, 4, 4, 0, 2),
-    "16-mixed": (4, 4, 4, 0, 2),
-    "bf16-true": (2, 2, 2, 0, 2),
-    "paper-mixed": (2, 2, 4, 4, 2),
+#: the data-parallel family, the rows of the default table
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
+#: what each strategy (its config group name) shards and how it holds gradients (costs/peak.py):
+#: (params sharded, optimizer state sharded, gradient mode, offload); mesh strategies take tp/pp
+SHARDING: dict[str, tuple[bool, bool, str, bool] | None] = {
+    "single": (False, False, "accumulate", False),
+    "ddp": (False, False, "bucket", False),
+    "zero1": (False, True, "bucket", False),
+    "zero2": (False, True, "zero2", False),
+    "zero3": (True, True, "fsdp", False),
+    "zero3_offload": (True, True, "fsdp", True),
+    "fsdp": (True, True, "fsdp", False),
+    "hsdp": (True, True, "fsdp", False),
+    "tensor_parallel": (False, False, "accumulate", False),
+    "pipeline": (False, False, "accumulate", False),
+    "fsdp_tp": (True, True, "fsdp", False),
+    "3d": (True, True, "fsdp", False),  # data_parallel=replicate: accumulate (see ``layout``)
+    "expert_parallel": None,  # MoE models: the estimator has no MoE activation model (refused, one line)
 }
-_STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd": 1}  # m and v; the momentum buffer
-# which model states each strategy shards over N: (params, grads, optimizer state)
-_SHARDED = {
-    "single": (False, False, False),
-    "ddp": (False, False, False),
-    "zero1": (False, False, True),
-    "zero2": (False, True, True),
-    "zero3": (True, True, True),
-    "zero3_offload": (True, True, True),
-    "fsdp": (True, True, True),
-}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The transformer shape the activation formula needs (fields as in ``GPTConfig``)."""
-
-    n_layer: int
-    n_embd: int
-    n_head: int
-    vocab_size: int
-    seq_len: int
+#: strategy class -> config group name (what ``mode=estimate`` reads from the built strategy)
+_BY_CLASS = {"SingleDeviceStrategy": "single", "DDPStrategy": "ddp", "Zero1Strategy": "zero1",
+             "Zero2Strategy": "zero2", "Zero3Strategy": "zero3", "Zero3OffloadStrategy": "zero3_offload",
+             "FSDPStrategy": "fsdp", "TensorParallelStrategy": "tensor_parallel", "PipelineStrategy": "pipeline",
+             "FSDPTPStrategy": "fsdp_tp", "Parallel3DStrategy": "3d", "ExpertParallelStrategy": "expert_parallel"}
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank by category; ``total`` is what sits on the device (``offloaded`` is host)."""
+    """Bytes per rank; ``peak`` (= ``total``) is what the device must hold, ``offloaded`` is host memory."""
 
     strategy: str
     params: int
@@ -95,100 +70,120 @@ class MemoryEstimate:
     optimizer_state: int
     offloaded: int
     activations: int
+    transient: int = 0
+    peak: int = 0
+    moment: str = ""
+    mesh: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_state + self.activations
+        return self.peak
+
+    @property
+    def states(self) -> int:
+        """Model states on the device (the ZeRO paper's figure)."""
+        return self.params + self.grads + self.optimizer_state
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total, "states": self.states}
 
 
-def bytes_per_param(precision: str, optimizer: str = "adamw") -> tuple[int, int, int]:
-    """(params, grads, optimizer state) bytes per parameter, unsharded: e.g. paper-mixed -> (2, 2, 12)."""
-    _check(precision, PRECISIONS, "precision")
-    _check(optimizer, OPTIMIZERS, "optimizer")
-    p, g, s, master, _ = _LAYOUT[precision]
-    return p, g, master + _STATE_ELEMENTS[optimizer] * s
+def layout(strategy: str, devices: int, *, tp: int | None = None, pp: int | None = None, replicate: int = 1,
+           data_parallel: str = "fsdp", **options: Any) -> Layout:
+    """The ``Layout`` of a strategy on ``devices`` ranks. ``tp``/``pp`` as the mesh strategies take them
+    (None: the defaults of their configs); ``options``: further ``Layout`` fields."""
+    check(strategy, tuple(SHARDING), "strategy")
+    declared = SHARDING[strategy]
+    if declared is None:
+        raise ValueError(f"the estimator has no model for strategy {strategy} (MoE); estimate a dense model")
+    params_sharded, opt_sharded, grads, offload = declared
+    n = 1 if strategy == "single" else devices
+    tp = tp if tp is not None else {"tensor_parallel": n, "fsdp_tp": 2, "3d": 2}.get(strategy, 1)
+    pp = pp if pp is not None else {"pipeline": n, "3d": 2}.get(strategy, 1)
+    if n % (tp * pp):
+        raise ValueError(f"{strategy}: tp={tp} x pp={pp} does not divide the world size {n}")
+    dp = n // (tp * pp)
+    if strategy == "3d" and data_parallel == "replicate":
+        params_sharded, opt_sharded, grads = False, False, "accumulate"
+    shard = dp // replicate if grads in ("fsdp", "zero2") or opt_sharded else 1
+    mesh = {k: v for k, v in (("pp", pp), ("dp_replicate", dp // max(1, shard)), ("dp_shard", shard), ("tp", tp))
+            if v > 1} or {"dp_shard": 1}
+    return Layout(strategy=strategy, shard=max(1, shard), params_sharded=params_sharded, opt_sharded=opt_sharded,
+                  grads=grads, offload=offload or bool(options.pop("cpu_offload", False)), tp=tp, pp=pp,
+                  mesh=mesh, **options)
 
 
-def activation_bytes(shape: Shape, *, micro_batch_size: int = 1, precision: str = "bf16-mixed",
-                     checkpointing: bool = False) -> int:
-    """Korthikanti et al. 2022: L s b h (34 + 5 a s / h) bytes, or L 2 s b h + one layer with full
-    checkpointing; doubled for 32-bit activations. See the module docstring."""
-    _check(precision, PRECISIONS, "precision")
-    s, b, h, a, L = shape.seq_len, micro_batch_size, shape.n_embd, shape.n_head, shape.n_layer
-    layer = s * b * h * 34 + 5 * a * s * s * b  # = s b h (34 + 5 a s / h), exact in integers
-    total = L * 2 * s * b * h + layer if checkpointing else L * layer
-    return total * _LAYOUT[precision][4] // 2
-
-
-def _resolve(model: Any, shape: Shape | None) -> tuple[int, Shape | None]:
-    """(Ψ, shape) from a count, a preset name, or a ``GPTConfig``-like object (``n_params`` and
-    ``n_layer``/``n_embd``/``n_head``/``vocab_size``, and ``seq_len`` or ``block_size``)."""
-    if isinstance(model, str):
-        psi, preset_shape = model_shape(model)
-        return psi, shape or preset_shape
-    if isinstance(model, (int, float)):
-        return int(model), shape
-    seq = getattr(model, "seq_len", None) or model.block_size
-    return int(model.n_params), shape or Shape(model.n_layer, model.n_embd, model.n_head, model.vocab_size, seq)
-
-
-def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-mixed",
-             optimizer: str = "adamw", shape: Shape | None = None, micro_batch_size: int = 1,
-             checkpointing: bool = False) -> MemoryEstimate:
-    """Memory per rank on ``devices`` data-parallel ranks.
-
-    ``model``: the parameter count Ψ, a preset name, or a ``GPTConfig``-like object. Activations
-    are 0 when no shape is known (a bare count and no ``shape``); else per rank for one micro-batch.
-    """
-    _check(strategy, STRATEGIES, "strategy")
-    n_params, shape = _resolve(model, shape)
+def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-mixed", optimizer: str = "adamw",
+             shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool = False,
+             device: str = "cuda", layout_: Layout | None = None, **layout_options: Any) -> MemoryEstimate:
+    """Memory per rank. ``model``: a parameter count Ψ, a preset name, a ``GPTConfig``-like object or a
+    ``Shape``. Without a shape (a bare count) only model states and the optimizer step are counted.
+    ``layout_options``: ``tp``, ``pp``, ``replicate``, ``data_parallel`` and ``Layout`` fields."""
+    check(precision, PRECISIONS, "precision")
+    check(optimizer, OPTIMIZERS, "optimizer")
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    n = 1 if strategy == "single" else devices
-    psi = int(n_params)
-    shard = -(-psi // n)  # ceil: buffers padded to a multiple of N
-    sizes = [(shard if sharded else psi) * nbytes
-             for sharded, nbytes in zip(_SHARDED[strategy], bytes_per_param(precision, optimizer))]
-    act = activation_bytes(shape, micro_batch_size=micro_batch_size, precision=precision,
-                           checkpointing=checkpointing) if shape else 0
-    if strategy == "zero3_offload":
-        return MemoryEstimate(strategy, 0, 0, 0, sum(sizes), act)
-    return MemoryEstimate(strategy, *sizes, 0, act)
+    n_params, shape = _resolve(model, shape)
+    lay = layout_ or layout(strategy, devices, **layout_options)
+    if shape is not None:
+        r = step_peak(shape, lay, micro_batch_size=micro_batch_size, precision=precision, optimizer=optimizer,
+                      checkpointing=checkpointing, device=device)
+        return MemoryEstimate(lay.strategy, r.params, r.grads, r.optimizer_state, r.offloaded, r.activations,
+                              r.transient, r.peak, r.moment, dict(lay.mesh))
+    return _states_only(int(n_params), lay, precision, optimizer, device)
 
 
-def estimate_all(model: Any, **kwargs: Any) -> list[MemoryEstimate]:
-    """``estimate`` for every strategy, in ``STRATEGIES`` order."""
-    return [estimate(model, strategy=s, **kwargs) for s in STRATEGIES]
+def _states_only(psi: int, lay: Layout, precision: str, optimizer: str, device: str) -> MemoryEstimate:
+    p, g, _ = bytes_per_param(precision, optimizer)
+    local = -(-psi // (lay.tp * lay.pp))
+    shard = -(-local // lay.shard)
+    params = p * (shard if lay.params_sharded else local)
+    grads = g * (shard if lay.grads in ("zero2", "fsdp") else local)
+    opt = optimizer_state_bytes(shard if lay.opt_sharded else local, optimizer, precision)
+    if lay.offload:
+        return MemoryEstimate(lay.strategy, 0, 0, 0, int(params + grads + opt), 0, 0, 0, "states only",
+                              dict(lay.mesh))
+    temp = 2 * g * local if lay.grads == "zero2" else (opt / 2 if device == "cpu" and "adam" in optimizer else 0)
+    states = int(params + grads + opt)
+    return MemoryEstimate(lay.strategy, int(params), int(grads), int(opt), 0, 0, int(temp), states + int(temp),
+                          "optimizer step", dict(lay.mesh))
+
+
+def estimate_all(model: Any, strategies: tuple[str, ...] = STRATEGIES, **kwargs: Any) -> list[MemoryEstimate]:
+    """``estimate`` for each strategy (default: ``STRATEGIES``), in order."""
+    return [estimate(model, strategy=s, **kwargs) for s in strategies]
+
+
+COLUMNS = ("params", "grads", "optimizer_state", "activations", "transient", "peak", "offloaded")
 
 
 def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
                    shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool = False,
-                   device_memory: float | None = None, unit: str = "GiB", echo: bool = False) -> str:
-    """One table: rows strategies, columns categories in ``unit`` (GiB = 2^30 bytes, GB = 1e9);
-    with ``device_memory`` (in ``unit``) a last column says whether the device total fits."""
+                   device_memory: float | None = None, unit: str = "GiB", echo: bool = False, device: str = "cuda",
+                   rows: list[MemoryEstimate] | None = None) -> str:
+    """One table: rows strategies (and mesh), columns the categories in ``unit`` (GiB = 2^30, GB = 1e9);
+    with ``device_memory`` (in ``unit``) a last column says whether the predicted peak fits."""
     scale = {"GiB": GIB, "GB": 1e9}[unit]
     n_params, shape = _resolve(model, shape)
-    rows = estimate_all(n_params, devices=devices, precision=precision, optimizer=optimizer, shape=shape,
-                        micro_batch_size=micro_batch_size, checkpointing=checkpointing)
-    cols = ["params", "grads", "optimizer_state", "activations", "total", "offloaded"]
+    rows = rows or estimate_all(n_params if shape is None else shape, devices=devices, precision=precision,
+                                optimizer=optimizer, shape=shape, micro_batch_size=micro_batch_size,
+                                checkpointing=checkpointing, device=device)
     p, g, k = bytes_per_param(precision, optimizer)
     lines = [f"Memory per rank in {unit}: Ψ = {int(n_params):,} params, N = {devices}, {precision} "
-             f"({p}+{g}+{k} bytes/param), {optimizer}, "
-             + (f"micro-batch {micro_batch_size} x {shape.seq_len} tokens" + (", checkpointing" if checkpointing else "")
-                if shape else "activations not estimated (no model shape)")]
-    widths = [max(len(c), 9) for c in cols]
-    header = f"{'strategy':<14}" + "".join(f"  {c:>{w}}" for c, w in zip(cols, widths))
+             f"({p:g}+{g:g}+{k:g} bytes/param), {optimizer}, "
+             + (f"micro-batch {micro_batch_size} x {shape.seq_len} tokens on {device}"
+                + (", checkpointing" if checkpointing else "") if shape
+                else "activations not estimated (no model shape)")]
+    widths = [max(len(c), 9) for c in COLUMNS]
+    header = f"{'strategy':<24}" + "".join(f"  {c:>{w}}" for c, w in zip(COLUMNS, widths))
     if device_memory is not None:
         header += f"  fits {device_memory:g} {unit}"
     lines += [header, "-" * len(header)]
     for r in rows:
         d = r.as_dict()
-        line = f"{r.strategy:<14}" + "".join(f"  {d[c] / scale:>{w}.3f}" for c, w in zip(cols, widths))
+        line = f"{_row_name(r):<24}" + "".join(f"  {d[c] / scale:>{w}.3f}" for c, w in zip(COLUMNS, widths))
         if device_memory is not None:
-            line += "  yes" if r.total <= device_memory * scale else "  NO"
+            line += "  yes" if r.peak <= device_memory * scale else "  NO"
         lines.append(line)
     table = "\n".join(lines)
     if echo:
@@ -196,88 +191,117 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
     return table
 
 
-def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+def _row_name(r: MemoryEstimate) -> str:
+    mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items() if k in ("pp", "tp", "dp_replicate") and v > 1)
+    return f"{r.strategy} {mesh}".strip() if r.strategy not in STRATEGIES[:2] else r.strategy
+
+
+def _resolve(model: Any, shape: Shape | None) -> tuple[int, Shape | None]:
+    """(Ψ, shape) from a count, a preset name, a ``Shape`` or a ``GPTConfig``-like object."""
+    if isinstance(model, str):
+        psi, preset_shape = model_shape(model)
+        return psi, shape or preset_shape
+    if isinstance(model, Shape):
+        return model.units()["total"], model
+    if isinstance(model, (int, float)):
+        return int(model), shape
+    shape = shape or Shape.of(model)
+    return shape.units()["total"], shape
 
 
 def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
-    """(parameter count, shape) of a preset in ``lightning_par.models.gpt.PRESETS``."""
-    from lightning_par.models.gpt import PRESETS, GPTConfig
+    """(parameter count, shape) of the GPT that ``model=<name>`` builds (the module, from its preset)."""
+    from lightning_par.models.gpt import PRESETS
+    from lightning_par.models.module import GPTModule
 
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
-    cfg = GPTConfig(**PRESETS[name])
-    return cfg.n_params, Shape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, seq_len or cfg.block_size)
+    shape = Shape.of(GPTModule(preset=name).config, seq_len)
+    return shape.units()["total"], shape
 
 
 _PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 
 
 def run_estimate(cfg: Any) -> str:
-    """``python run.py mode=estimate ...``: print the all-strategies table for the run's config.
+    """``python run.py mode=estimate ...``: the table for the run's config, and ``estimate.json``.
 
-    Reads the model config (a GPT preset plus any architecture overrides; other models are built
-    on the meta device and counted, without an activation estimate), N = trainer.devices x
-    trainer.num_nodes, trainer.precision (or ``paper-mixed``), the model's optimizer, the micro-batch
-    data.global_batch_size / (N x accumulate_grad_batches) and data.seq_len, and the strategy's
-    activation_checkpointing. Optional keys: ``+estimate.device_memory=80`` (adds a fits column),
-    ``+estimate.unit=GB``, ``+estimate.params=7.5e9`` (a bare parameter count instead of the model).
-    Raises ``ConfigError`` (one line) for unknown names.
+    Rows: the data-parallel family at N ranks and, when the configured strategy is another, that
+    strategy with its own mesh (``dims_for``). N, the per-rank micro-batch and the mesh come from
+    ``lightning_par.facts`` (as training computes them); the model's shape from the module the model
+    config builds. Optional keys: ``+estimate.device_memory=80`` (a fits column, in ``unit``),
+    ``+estimate.unit=GB``, ``+estimate.params=7.5e9`` (a bare count instead of the model),
+    ``+estimate.device=cpu`` (default: cuda unless ``trainer.accelerator=cpu``).
+    Writes ``<run dir>/estimate.json`` (bytes). Raises ``ConfigError`` (one line) for bad input.
     """
     from lightning_par import ConfigError
+    from lightning_par import facts
 
     opts = cfg.get("estimate") or {}
     try:
-        devices = cfg.trainer.get("devices", 1)
-        devices = 1 if devices in ("auto", -1, "-1") else (len(devices) if hasattr(devices, "__len__")
-                                                           and not isinstance(devices, str) else int(devices))
-        n = devices * int(cfg.trainer.get("num_nodes", 1))
+        n = facts.world_size(cfg)
         precision = str(cfg.trainer.get("precision", "32-true"))
         precision = _PRECISION_ALIASES.get(precision, precision)
         optimizer = str(cfg.model.get("optimizer", "adamw"))
+        device = str(opts.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda"))
+        strategy, tiling = facts.strategy_of(cfg.strategy)
+        name = _BY_CLASS.get(type(strategy).__name__)
+        if name is None:
+            raise ValueError(f"the estimator has no model for strategy {type(strategy).__name__}")
+        dims = facts.mesh_of(strategy, n)
         gbs = int(cfg.data.get("global_batch_size", n))
-        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
-        micro, note = gbs // (n * accumulate), ""
-        if micro < 1 or gbs % (n * accumulate):
-            micro = max(1, micro)
-            note = (f"note: data.global_batch_size={gbs} does not split evenly over {n} ranks x {accumulate} "
-                    f"accumulation steps; activations are for a micro-batch of {micro}\n")
-        checkpointing = bool((cfg.get("strategy") or {}).get("activation_checkpointing", False))
-        model, shape = _model_from_config(cfg, opts.get("params"))
-        note = note if shape is not None else ""  # no activation estimate: the micro-batch does not matter
-        table = estimate_table(model, devices=n, precision=precision, optimizer=optimizer, shape=shape,
-                               micro_batch_size=micro, checkpointing=checkpointing,
-                               device_memory=opts.get("device_memory"), unit=str(opts.get("unit", "GiB")))
+        micro = facts.micro_batch_size(gbs, dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1)))
+        checkpointing = bool(getattr(strategy, "activation_checkpointing", False))
+        params = opts.get("params")
+        shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
+        model: Any = int(float(params)) if params is not None else (shape or _count_params(cfg.model))
+        kw = dict(devices=n, precision=precision, optimizer=optimizer, micro_batch_size=micro,
+                  checkpointing=checkpointing, device=device)
+        rows = estimate_all(model, **kw) if n > 1 or name in STRATEGIES else []
+        if name not in STRATEGIES or n == 1:
+            rows = [r for r in rows if r.strategy != name] + [
+                estimate(model, strategy=name, layout_=strategy_layout(name, strategy, dims, tiling), **kw)]
+        table = estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
+                               unit=str(opts.get("unit", "GiB")), **kw)
     except (ValueError, KeyError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
-    print(note + table)
-    return note + table
+    out_dir = str(cfg.paths.output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    record = {"world_size": n, "precision": precision, "optimizer": optimizer, "micro_batch_size": micro,
+              "checkpointing": checkpointing, "device": device, "seq_len": shape.seq_len if shape else None,
+              "n_params": model if isinstance(model, int) else model.units()["total"],
+              "strategies": [r.as_dict() for r in rows]}
+    with open(os.path.join(out_dir, "estimate.json"), "w") as f:
+        json.dump(record, f, indent=2)
+    print(table)
+    return table
 
 
-def _model_from_config(cfg: Any, params: float | None) -> tuple[Any, Shape | None]:
-    """(Ψ or a GPTConfig-like model, shape) for the run's model config."""
-    if params is not None:
-        return int(float(params)), None
-    model_cfg = cfg.model
-    seq_len = cfg.data.get("seq_len") if cfg.get("data") else None
-    if "preset" in model_cfg or str(model_cfg.get("_target_", "")).endswith("GPTModule"):
-        from lightning_par.models.gpt import PRESETS, GPTConfig
+def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
+    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...)."""
+    base = layout(name, dims.world_size, tp=dims.tp, pp=dims.pp, replicate=dims.dp_replicate if
+                  SHARDING[name] and SHARDING[name][2] == "fsdp" else 1,
+                  data_parallel=getattr(strategy, "data_parallel", "fsdp"))
+    pd = getattr(strategy, "param_dtype", None)
+    n_micro = getattr(strategy, "_n_microbatches", None)
+    return replace(base, offload=base.offload or bool(getattr(strategy, "cpu_offload", False)),
+                   prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
+                   gather_bytes=getattr(pd, "itemsize", None) if pd is not None else None,
+                   schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,
+                   virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
+                   sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
+                   loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
+                   mesh=dims.sizes())
 
-        preset = model_cfg.get("preset")
-        if preset is not None and preset not in PRESETS:
-            raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        fields = dict(PRESETS[preset]) if preset else {}
-        fields.update({k: v for k, v in model_cfg.items() if k in GPTConfig.__dataclass_fields__})
-        gpt = GPTConfig(**fields)
-        seq = int(model_cfg.get("seq_len") or seq_len or gpt.block_size)
-        return gpt.n_params, Shape(gpt.n_layer, gpt.n_embd, gpt.n_head, gpt.vocab_size, seq)
+
+def _count_params(model_cfg: Any) -> int:
     import torch
     from hydra.utils import instantiate
 
+    module = instantiate(model_cfg)
     with torch.device("meta"):
-        module = instantiate(model_cfg)
-    return sum(p.numel() for p in module.parameters()), None
+        module.configure_model()
+    return sum(p.numel() for p in module.parameters())
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -291,17 +315,15 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size")
     ap.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="which kernels run")
     ap.add_argument("--device-memory", type=float, default=None, help="device memory, in --unit")
     ap.add_argument("--unit", default="GiB", choices=("GiB", "GB"))
     args = ap.parse_args(argv)
     try:
-        if args.model:
-            model, shape = model_shape(args.model, args.seq_len)
-        else:
-            model, shape = args.params, None
+        model, shape = model_shape(args.model, args.seq_len) if args.model else (args.params, None)
         return estimate_table(model, devices=args.devices, precision=args.precision, optimizer=args.optimizer,
                               shape=shape, micro_batch_size=args.micro_batch_size, checkpointing=args.checkpointing,
-                              device_memory=args.device_memory, unit=args.unit, echo=True)
+                              device_memory=args.device_memory, unit=args.unit, echo=True, device=args.device)
     except ValueError as exc:
         ap.error(str(exc))
 

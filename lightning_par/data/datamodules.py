@@ -34,17 +34,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_par import ConfigError
 from lightning_par.data.sampler import DataParallelSampler
-
-
-def micro_batch_size(global_batch_size: int, dp_size: int, accumulate: int = 1) -> int:
-    """Per-rank batch of one forward/backward; errors unless it divides exactly."""
-    denom = dp_size * accumulate
-    if global_batch_size < 1 or global_batch_size % denom:
-        raise ConfigError(
-            f"data.global_batch_size={global_batch_size} is not divisible by data-parallel size {dp_size}"
-            f" x accumulate_grad_batches {accumulate} = {denom}; pick a multiple of {denom}"
-        )
-    return global_batch_size // denom
+from lightning_par.facts import micro_batch_size  # noqa: F401 -- one rule, re-exported here
 
 
 class WindowDataset(Dataset):
@@ -192,6 +182,14 @@ class TextDataModule(ParDataModule):
             tokens[len(tokens) - n_val :], self.seq_len)
 
 
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest signed integer dtype holding token ids 0 .. vocab_size - 1 (int16 up to 32768)."""
+    for dtype in (torch.int16, torch.int32):
+        if vocab_size - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
 class SyntheticTokens(ParDataModule):
     kind = "tokens"
 
@@ -202,7 +200,7 @@ class SyntheticTokens(ParDataModule):
     def _build(self) -> tuple[Dataset, Dataset]:
         g = torch.Generator().manual_seed(1234)
         tokens = torch.randint(0, self.vocab_size, (self.n_samples * (self.seq_len + 1) + 1,), generator=g,
-                               dtype=torch.int16)
+                               dtype=token_dtype(self.vocab_size))
         split = int(len(tokens) * 0.95)
         return WindowDataset(tokens[:split], self.seq_len), WindowDataset(tokens[split:], self.seq_len)
 

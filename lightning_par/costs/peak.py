@@ -1,0 +1,182 @@
+"""The per-rank peak of one training step: model states plus a walk through the backward pass.
+
+The peak of a step is the largest of (docs/cost_model.md):
+
+- the backward pass, unit by unit from the loss down (head, blocks top to bottom, embedding): at
+  unit ``u`` a rank holds its parameters and optimizer state, the gradients produced so far (per
+  the strategy: DDP's buckets hold all of them from the start; ZeRO-2 accumulates full-size
+  gradients until its one reduce-scatter; FSDP keeps reduce-scattered shards plus the current
+  unit's full-size gradient), the activations of every unit not yet done (times the micro-batches
+  in flight on a pipeline stage), the unit's own transient (the loss's two fp32 B x T x V buffers,
+  a block's inner gradients, a checkpointed block's recomputed activations), and under FSDP the
+  all-gathered parameters (the root unit -- embedding and head, never resharded between forward and
+  backward -- plus the current unit and ``prefetch`` more);
+- the optimizer step: parameters, gradients, optimizer state and the step's temporaries (torch's
+  foreach Adam: one state-sized temporary; the fused CUDA kernels: none; ZeRO-2: the full-size
+  ``.grad``s and the flat copy it reduce-scatters from).
+
+Offloaded states (``zero3_offload`` / ``fsdp cpu_offload``) live in host memory: the device holds
+the gathered units, one unit's gradient and the activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_par.costs import activations as act
+from lightning_par.costs.states import bytes_per_param, optimizer_state_bytes
+
+#: how a strategy holds gradients during backward (see the module docstring)
+GRAD_MODES = ("accumulate", "bucket", "zero2", "fsdp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one rank holds: the strategy's declared sharding and its mesh."""
+
+    strategy: str
+    shard: int = 1  # ranks the sharded states are split over
+    params_sharded: bool = False
+    opt_sharded: bool = False
+    grads: str = "accumulate"
+    offload: bool = False
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    schedule: str = "1f1b"
+    n_microbatches: int | None = None
+    virtual_stages: int = 1
+    prefetch: int = 1
+    gather_bytes: float | None = None  # bytes per gathered parameter element (None: the params' own)
+    tiling: dict[str, int] = field(default_factory=dict)
+    mesh: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Peak:
+    params: int
+    grads: int
+    optimizer_state: int
+    offloaded: int
+    activations: int
+    peak: int
+    moment: str  # where the peak falls
+
+    @property
+    def transient(self) -> int:
+        return max(0, self.peak - self.params - self.grads - self.optimizer_state - self.activations)
+
+
+def step_peak(shape: act.Shape, layout: Layout, *, micro_batch_size: int, precision: str, optimizer: str,
+              checkpointing: bool = False, device: str = "cuda") -> Peak:
+    """Predicted per-rank bytes (the rank that holds the most: pipeline first or last stage)."""
+    stages = ("first", "last") if layout.pp > 1 else ("all",)
+    return max((_stage_peak(shape, layout, role, micro_batch_size, precision, optimizer, checkpointing, device)
+                for role in stages), key=lambda r: r.peak)
+
+
+def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision: str, optimizer: str,
+                ckpt: bool, device: str) -> Peak:
+    u = shape.units()
+    p, g, _ = bytes_per_param(precision, optimizer)
+    tp, pp = lay.tp, lay.pp
+    layers = -(-shape.n_layer // pp)
+    has_embed, has_head = role in ("all", "first"), role in ("all", "last")
+    n_micro = lay.n_microbatches or pp
+    tokens = micro * shape.seq_len / (n_micro if pp > 1 else 1)  # one pipeline micro-batch
+    in_flight = act.in_flight_micro_batches(lay.schedule, pp, n_micro, lay.virtual_stages) if role == "first" else 1
+    # parameters this stage holds, before data-parallel sharding (TP splits every matrix)
+    block = u["block"] / tp
+    embed = u["embed"] / tp if has_embed else 0
+    head = u["head"] / tp if has_head else 0
+    local = embed + layers * block + head
+    shard = lay.shard if lay.params_sharded or lay.opt_sharded or lay.grads in ("zero2", "fsdp") else 1
+    psi_shard = -(-int(local) // shard)
+    params = p * (psi_shard if lay.params_sharded else local)
+    opt_elems = psi_shard if lay.opt_sharded else int(local)
+    opt = optimizer_state_bytes(opt_elems, optimizer, precision)
+    grads_steady = g * (psi_shard if lay.grads in ("zero2", "fsdp") else local)
+    if lay.grads == "accumulate":
+        grads_steady = g * local  # held between backward and the step (freed by zero_grad)
+    host = 0
+    if lay.offload:
+        host, params, opt, grads_steady = int(params + opt + grads_steady), 0, 0, 0
+
+    # activations per micro-batch
+    lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel)
+    copies = act.weight_copy_bytes(u["block_matmul"], precision, tp)
+    keep = act.checkpoint_bytes_per_token(shape, precision, tp, lay.sequence_parallel) * tokens if ckpt \
+        else lt * tokens + copies
+    head_saved = (act.head_bytes_per_token(shape, precision, tp=tp, loss_parallel=lay.loss_parallel) * tokens
+                  + act.weight_copy_bytes(u["lm_head"], precision, tp)) if has_head else 0
+    embed_saved = act.embed_bytes_per_token(shape, precision, device) * tokens if has_embed else 0
+    saved_all = in_flight * (layers * keep + embed_saved) + head_saved
+
+    # all-gathered parameters (FSDP): root unit kept from forward to backward + current and prefetched units
+    gathered_root = gathered_unit = 0.0
+    if lay.grads == "fsdp":
+        gb = lay.gather_bytes or p
+        tiled = sum(u["lm_head"] / tp for path in lay.tiling if path.endswith("lm_head")) if has_head else 0
+        tiles = [u["lm_head"] / tp / k for path, k in lay.tiling.items() if path.endswith("lm_head")] if has_head else []
+        block_tiled = [(path, k) for path, k in lay.tiling.items() if ".blocks." in f".{path}"]
+        unit = block - sum(u["block_linear"] / tp * (1 - 1 / k) for _, k in block_tiled[:2])
+        gathered_root = gb * (embed + head - tiled)
+        gathered_unit = gb * max([unit, *tiles]) * (1 + lay.prefetch)
+        if shard == 1:
+            gathered_root = gathered_unit = 0.0
+
+    base = params + opt
+    grad_unit = g * max(block, u["lm_head"] / tp if has_head else 0)
+    moments = {}
+    # backward at the loss (head): all activations, the loss buffers
+    done = 0.0  # parameters whose gradients exist
+    for name, saved_now, transient, unit_params in _backward_units(
+            shape, lay, has_embed, has_head, layers, in_flight, keep, lt * tokens + copies, embed_saved,
+            head_saved, tokens, precision, tp, ckpt, head, block, embed):
+        grads_now = _grads_during_backward(lay, g, local, psi_shard, done, unit_params)
+        moments[f"backward {name}"] = base + grads_now + saved_now + transient + gathered_root + gathered_unit
+        done += unit_params
+    # the optimizer step
+    temp = 0.0
+    if lay.offload:
+        pass  # the step runs on the host
+    elif lay.grads == "zero2":
+        temp = 2 * g * local  # the full .grads and the flat buffer they are copied into
+    elif optimizer in ("adamw", "adam") and device == "cpu":
+        temp = opt / 2  # foreach: one state-sized temporary (sqrt of v)
+    moments["optimizer step"] = base + grads_steady + temp
+    moment = max(moments, key=moments.get)
+    act_bytes = saved_all
+    return Peak(int(params), int(grads_steady), int(opt), int(host), int(act_bytes), int(moments[moment]), moment)
+
+
+def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, full_layer, embed_saved, head_saved,
+                    tokens, precision, tp, ckpt, head, block, embed):
+    """(name, activations alive, transient, unit parameters) for each unit in backward order."""
+    below = in_flight * embed_saved
+    if has_head:
+        loss = act.loss_transient_per_token(shape, tp=tp, loss_parallel=lay.loss_parallel) * tokens
+        yield "loss", below + in_flight * layers * keep + head_saved, loss, head
+    inner = act.layer_backward_transient_per_token(shape, precision, tp) * tokens
+    for i in range(layers, 0, -1):
+        alive = below + in_flight * i * keep
+        if ckpt:  # the block's activations, recomputed for its backward
+            alive += full_layer
+        elif in_flight > 1:  # the last micro-batch's earlier layers
+            pass
+        yield f"block {i - 1}", alive, inner, block
+    if has_embed:
+        yield "embedding", below, 0.0, embed
+
+
+def _grads_during_backward(lay: Layout, g: float, local: float, psi_shard: int, done: float, unit: float) -> float:
+    if lay.offload:
+        return g * unit  # one unit's full-size gradient on the device before it moves to the host
+    if lay.grads == "bucket":
+        return g * local
+    if lay.grads == "zero2":
+        return g * (done + unit) + g * psi_shard  # full .grads so far + the persistent shard buffer
+    if lay.grads == "fsdp":
+        return g * (done / max(1, lay.shard) + unit)
+    return g * (done + unit)

@@ -1,0 +1,72 @@
+"""Bytes per parameter of the model states, by precision and optimizer (see docs/cost_model.md).
+
+    precision      p  g  optimizer state per element   master copy
+    32-true        4  4  4                              -
+    bf16-mixed     4  4  4                              -   (autocast: fp32 weights, bf16 compute)
+    16-mixed       4  4  4                              -
+    bf16-true      2  2  2                              -
+    paper-mixed    2  2  4                              4   (the ZeRO paper's K = 12 for Adam)
+
+Adam/AdamW keep two states (m, v), SGD one (momentum). ``adamw8bit`` is torchao's ``AdamW8bit``
+(torchao 0.18, ``torchao/optim/subclass_8bit.py`` and ``adam.py``): a parameter tensor of at least
+4096 elements whose size divides by the block (256) gets m and v as uint8 codes plus one fp32 scale
+per block of 256 and a 256-entry fp32 quantisation map per state; smaller tensors keep m and v in
+the parameter's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "paper-mixed")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
+BLOCK_8BIT = 256  # torchao AdamW8bit's default block_size
+MIN_8BIT = 4096  # torchao quantises only tensors of at least this many elements
+
+# precision -> (param bytes, grad bytes, bytes per optimizer-state element, master-copy bytes)
+_LAYOUT = {
+    "32-true": (4, 4, 4, 0),
+    "bf16-mixed": (4, 4, 4, 0),
+    "16-mixed": (4, 4, 4, 0),
+    "bf16-true": (2, 2, 2, 0),
+    "paper-mixed": (2, 2, 4, 4),
+}
+_STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "adamw8bit": 2}
+
+
+def check(value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+
+
+def bytes_per_param(precision: str, optimizer: str = "adamw") -> tuple[float, float, float]:
+    """(params, grads, optimizer state) bytes per parameter, unsharded: paper-mixed adamw -> (2, 2, 12);
+    adamw8bit: 2 x (1 + 4/256) for the bulk of the parameters (see ``optimizer_state_bytes``)."""
+    check(precision, PRECISIONS, "precision")
+    check(optimizer, OPTIMIZERS, "optimizer")
+    p, g, s, master = _LAYOUT[precision]
+    if optimizer == "adamw8bit":
+        return p, g, master + 2 * (1 + 4 / BLOCK_8BIT)
+    return p, g, master + _STATE_ELEMENTS[optimizer] * s
+
+
+def optimizer_state_bytes(n_params: int, optimizer: str, precision: str = "32-true", *,
+                          tensor_numels: Iterable[int] | None = None) -> int:
+    """Optimizer-state bytes for ``n_params`` parameters (AdamW's scalar ``step`` not counted).
+
+    With ``tensor_numels`` (the element count of every parameter tensor the optimizer holds, e.g.
+    a rank's local shards) the count is exact for ``adamw8bit``: tensors of >= 4096 elements that
+    divide by 256 are quantised (1 byte + 4/256 per element, + 1 KiB quantisation map per state),
+    the others keep two states in the parameter's dtype."""
+    p, _, k = bytes_per_param(precision, optimizer)
+    if optimizer != "adamw8bit" or tensor_numels is None:
+        return int(round(n_params * k))
+    master = _LAYOUT[precision][3]
+    total = 0
+    for numel in tensor_numels:
+        if numel >= MIN_8BIT and numel % BLOCK_8BIT == 0:
+            total += 2 * (numel + 4 * (numel // BLOCK_8BIT) + 4 * 256)
+        else:
+            total += 2 * numel * p
+        total += master * numel
+    return total
