@@ -1,0 +1,214 @@
+"""Predicted communication per training step and per rank, by collective kind and mesh axis.
+
+Pure arithmetic (no ``torch.distributed``): the advisor uses it to show each candidate's bytes on
+the links, and ``tests/test_comm.py`` holds it against what ``callbacks/comm.py`` counts in a run.
+The formulas, with their derivation from this repository's code, are in ``docs/communication.md``.
+
+Payload is the *full logical tensor* of a collective, as seen by one rank: the output of an
+all-gather, the input of a reduce-scatter, the buffer of an all-reduce / broadcast, the input
+buffer of an all-to-all, the tensor of a send or recv. (What crosses a link is a fraction of that:
+``(n-1)/n`` for all-gather / reduce-scatter, ``2(n-1)/n`` for a ring all-reduce -- see
+``bus_factor``.) Kinds: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+``broadcast``, ``send``, ``recv``. Axes: the names of ``parallel/mesh.py`` (``dp_replicate``,
+``dp_shard``, ``tp``, ``pp``, ``ep``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp")
+MODEL_PARALLEL = ("tensor_parallel", "pipeline", "fsdp_tp", "3d")
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """Bytes one rank moves over its link per payload byte with ring algorithms (nccl-tests' busbw)."""
+    if n <= 1:
+        return 0.0
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "all_to_all": (n - 1) / n}.get(kind, 1.0)
+
+
+@dataclass(frozen=True)
+class CommShape:
+    """The sizes activation collectives depend on (a GPT-style decoder, ``models/gpt.py``).
+
+    micro_batch: sequences in one forward on one rank (for a pipeline: per pipeline micro-batch).
+    seq: tokens per sequence. max_positions: rows of the position table (None: ``seq``).
+    """
+
+    layers: int
+    hidden: int
+    seq: int
+    micro_batch: int
+    vocab: int
+    mlp_ratio: int = 4
+    max_positions: int | None = None
+    bias: bool = True
+
+    # parameter groups of the GPT, as tensor parallelism splits them (tensor_parallel.py's plan)
+    def tp_params(self, tp: int) -> int:
+        """Parameters one tensor-parallel rank holds: split matrices / tp, replicated rest in full."""
+        h, r, b = self.hidden, self.mlp_ratio, int(self.bias)
+        t = self.max_positions or self.seq
+        split = self.layers * (4 * h * h + 2 * r * h * h + 3 * h * b + r * h * b) + 2 * self.vocab * h
+        replicated = self.layers * (2 * h * (1 + b) + h * b + h * b) + t * h + h * (1 + b)
+        return split // tp + replicated
+
+    def root_params(self, tp: int = 1) -> int:
+        """Parameters FSDP leaves to the root (no unit claims them): embeddings, final norm, head."""
+        h, b = self.hidden, int(self.bias)
+        t = self.max_positions or self.seq
+        return 2 * self.vocab * h // tp + t * h + h * (1 + b)
+
+    def activation_bytes(self, dtype_bytes: int) -> int:
+        return self.micro_batch * self.seq * self.hidden * dtype_bytes
+
+
+def _add(out: dict, kind: str, axis: str, nbytes: float) -> None:
+    if nbytes:
+        out[kind][axis] += int(round(nbytes))
+
+
+def _pad(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward: int) -> None:
+    """Tensor parallelism without sequence parallelism, per forward+backward of one micro-batch:
+    forward all-reduces after the embedding and after every rowwise linear (wo, proj): 2L + 1;
+    backward all-reduces the input gradient of every colwise linear (wq, wk, wv, fc, lm_head): 4L + 1;
+    the logits are all-gathered over the vocabulary (B*T*V)."""
+    if tp <= 1:
+        return
+    a = shape.activation_bytes(b)
+    L = shape.layers
+    _add(out, "all_reduce", "tp", n_forward * ((2 * L + 1) + (4 * L + 1)) * a)
+    _add(out, "all_gather", "tp", n_forward * shape.micro_batch * shape.seq * shape.vocab * b)
+
+
+def _pipeline_p2p(out: dict, shape: CommShape, pp: int, m: int, b: int, schedule: str, virtual: int,
+                  stage_rank: int | None) -> None:
+    """Per micro-batch, a stage sends its output forward and its input gradient backward, each one
+    activation B_mb*T*h, to the neighbouring stage when that stage lives on another rank."""
+    if pp <= 1:
+        return
+    n_stages = pp * virtual
+    owner = ([min(s, 2 * pp - 1 - s) for s in range(n_stages)] if schedule == "zbv"
+             else [s % pp for s in range(n_stages)])
+    a = shape.activation_bytes(b)
+    best: dict[str, int] = {}
+    for r in ([stage_rank] if stage_rank is not None else range(pp)):
+        send = recv = 0
+        for s in (s for s in range(n_stages) if owner[s] == r):
+            if s + 1 < n_stages and owner[s + 1] != r:  # activation forward, its gradient back
+                send, recv = send + m * a, recv + m * a
+            if s > 0 and owner[s - 1] != r:  # activation in, input gradient out
+                send, recv = send + m * a, recv + m * a
+        if send >= best.get("send", -1):
+            best = {"send": send, "recv": recv}
+    _add(out, "send", "pp", best["send"])
+    _add(out, "recv", "pp", best["recv"])
+    _add(out, "all_reduce", "pp", 4)  # the mean micro-batch loss, shared by every stage (fp32 scalar)
+
+
+def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype_bytes: int = 4,
+                    shape: CommShape | None = None, micro_batches: int = 1, root_params: int | None = None,
+                    reshard_after_forward: bool = True, schedule: str = "1f1b", virtual_stages: int = 1,
+                    stage_rank: int | None = None, stage_params: int | None = None,
+                    sequence_parallel: bool = False, loss_parallel: bool = False,
+                    grad_clip: bool = False) -> dict[str, dict[str, int]]:
+    """Payload bytes one rank sends through collectives in one optimizer step: ``{kind: {axis: bytes}}``.
+
+    Args:
+        strategy: a config name of ``conf/strategy`` (``single``, ``ddp``, ``zero1`` ... ``3d``).
+        n_params: Ψ, the model's parameter count (elements).
+        mesh: axis -> size (the summary's ``mesh``); missing axes are 1.
+        dtype_bytes: bytes per element of the parameters / gradients / activations communicated.
+        shape: sizes for activation traffic (tensor and pipeline parallel) and for the parameter
+            split FSDP and TP see; needed by ``tensor_parallel``, ``pipeline``, ``fsdp_tp``, ``3d``.
+        micro_batches: pipeline micro-batches per step.
+        root_params: parameters no FSDP unit claims (gathered once, kept from forward to backward);
+            None: ``shape.root_params()`` when a shape is given, else 0 (the 2Ψ upper bound).
+        reshard_after_forward: FSDP re-gathers every unit in backward (ZeRO-3).
+        schedule / virtual_stages / stage_rank: pipeline layout; stage_rank None: the busiest rank.
+        stage_params: parameters of one pipeline rank's stages (pipeline x data parallel); None:
+            n_params / pp.
+        grad_clip: zero2's global-norm clipping adds one 4-byte all-reduce.
+
+    Raises ValueError for a strategy or option this model does not cover.
+    """
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    b, P = dtype_bytes, n_params
+    get = lambda axis: int(mesh.get(axis, 1))  # noqa: E731
+    rep, shard, tp, pp = get("dp_replicate"), get("dp_shard"), get("tp"), get("pp")
+    if sequence_parallel or loss_parallel:
+        raise ValueError("comm_model: sequence_parallel / loss_parallel traffic is not modelled")
+    if strategy in MODEL_PARALLEL and shape is None:
+        raise ValueError(f"comm_model: strategy {strategy} needs a shape (activation sizes)")
+    root = root_params if root_params is not None else (shape.root_params() if shape else 0)
+
+    def fsdp(params: int, root_part: int, axis: str, reshard: bool) -> None:
+        if shard <= 1:
+            return
+        _add(out, "all_gather", axis, (2 * params - root_part if reshard else params) * b)
+        _add(out, "reduce_scatter", axis, params * b)
+
+    if strategy == "single":
+        pass
+    elif strategy == "ddp":
+        _add(out, "all_reduce", "dp_replicate", P * b * (rep * shard > 1))
+    elif strategy == "zero1":
+        n = rep * shard
+        _add(out, "all_reduce", "dp_shard", P * b * (n > 1))  # DDP's gradient buckets
+        _add(out, "broadcast", "dp_shard", P * b * (n > 1))  # every owner broadcasts its updated params
+    elif strategy == "zero2":
+        if shard > 1:
+            _add(out, "reduce_scatter", "dp_shard", _pad(P, shard) * b)
+            _add(out, "all_gather", "dp_shard", _pad(P, shard) * b)
+            _add(out, "all_reduce", "dp_shard", 4 * grad_clip)
+    elif strategy in ("zero3", "zero3_offload", "fsdp", "hsdp"):
+        fsdp(P, root, "dp_shard", reshard_after_forward)
+        if rep > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
+            _add(out, "all_reduce", "dp_replicate", P / shard * b)
+    elif strategy == "tensor_parallel":
+        _tp_activation_comm(out, shape, tp, b, 1)
+        _add(out, "all_reduce", "dp_replicate", shape.tp_params(tp) * b * (rep > 1))
+    elif strategy == "fsdp_tp":
+        _tp_activation_comm(out, shape, tp, b, 1)
+        fsdp(shape.tp_params(tp), shape.root_params(tp), "dp_shard", reshard_after_forward)
+    elif strategy in ("pipeline", "3d"):
+        _pipeline_p2p(out, shape, pp, micro_batches, b, schedule, virtual_stages, stage_rank)
+        if strategy == "3d":
+            # TP inside the rank's stages: the per-layer terms scale with the rank's share of layers
+            per_stage = CommShape(**{**shape.__dict__, "layers": max(1, shape.layers // pp)})
+            _tp_activation_comm(out, per_stage, tp, b, micro_batches)
+            mine = stage_params if stage_params is not None else shape.tp_params(tp) // pp
+            fsdp(mine, 0, "dp_shard", False)  # no re-gather per micro-batch under a pipeline
+            _add(out, "all_reduce", "dp_replicate", mine * b * (rep > 1))
+        else:
+            mine = stage_params if stage_params is not None else P // pp
+            _add(out, "all_reduce", "dp_replicate", mine * b * (rep > 1))
+    else:
+        raise ValueError(f"comm_model: no communication model for strategy {strategy!r}")
+    return {k: dict(v) for k, v in out.items() if any(v.values())}
+
+
+def total_bytes(comm: dict[str, dict[str, int]]) -> int:
+    """Sum of every kind and axis."""
+    return sum(sum(axes.values()) for axes in comm.values())
+
+
+def predicted_seconds(comm: dict[str, dict[str, int]], mesh: dict[str, int], bandwidth_gbs: dict[str, float]) -> float:
+    """Lower bound on communication time: payload x bus factor / link bandwidth (GB/s per axis;
+    a missing axis uses ``bandwidth_gbs['default']``), summed over kinds and axes, no overlap."""
+    t = 0.0
+    for kind, axes in comm.items():
+        for axis, nbytes in axes.items():
+            n = int(mesh.get(axis, 2))
+            bw = bandwidth_gbs.get(axis, bandwidth_gbs.get("default", 0.0))
+            if bw > 0:
+                t += nbytes * bus_factor(kind, n) / (bw * 1e9)
+    return t
