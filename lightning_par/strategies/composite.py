@@ -53,6 +53,7 @@ from lightning_par.parallel.stages import drop_remote_layers, measure_layer_time
 from lightning_par.parallel.tensor_parallel import check_sequence_parallel, check_tp_divisible
 from lightning_par.strategies.base import ShardedStrategy
 from lightning_par.strategies.checkpoint import canonical_fqn
+from lightning_par.strategies.fsdp import parse_dtype
 from lightning_par.strategies.pipeline_loop import PipelineLoopMixin
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         activation_checkpointing: bool = False,
         reshard_after_forward: bool | None = None,
         pipelined: bool = False,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -131,6 +134,12 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         self.loss_parallel = loss_parallel
         self.reshard_after_forward = reshard_after_forward
         self.pipelined = pipelined
+        # FSDP mixed precision over dp_shard (as strategy=fsdp's): compute in param_dtype, keep the
+        # sharded parameters (the master copy) in their own dtype
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        parse_dtype(param_dtype, "param_dtype")
+        parse_dtype(reduce_dtype, "reduce_dtype")
         self._pipeline: Pipeline | None = None
         self._parallelized = False
         self._loss_scale = 1.0
@@ -178,6 +187,9 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         plan = resolve_plan(module).plan
         model = type(module).__name__
         check_tied(module, tp=dims.tp, pp=dims.pp)  # a layout that would silently untie shared weights
+        if (self.param_dtype or self.reduce_dtype) and dims.dp_shard <= 1:
+            raise ValueError(f"{name}: param_dtype/reduce_dtype are FSDP mixed precision, but this layout has no "
+                             f"FSDP axis (dp_shard={dims.dp_shard}); use trainer.precision=bf16-mixed instead")
         if self.uses_pipeline(dims):
             if not plan.layers:
                 raise ValueError(f"{name}: pipeline parallelism needs to know where {model} may be cut; declare "
@@ -267,7 +279,9 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                                                     loss_parallel=self.loss_parallel and not pipelined)
         if dims.dp_shard > 1:
             reshard = self.reshard_after_forward
-            out["fully_shard"] = FullyShard(mesh, reshard_after_forward=(not pipelined) if reshard is None else reshard)
+            out["fully_shard"] = FullyShard(mesh, reshard_after_forward=(not pipelined) if reshard is None else reshard,
+                                            param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
+                                            reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"))
         return out
 
     @override

@@ -158,21 +158,26 @@ def _skip_lightning_clipping(precision_plugin: Any) -> None:
 
 class Zero3Strategy(FSDPStrategy):
     """ZeRO stage 3: FSDP with the model plan's blocks as units, parameters freed after forward,
-    one unit of prefetch, fp32 (use Lightning's ``trainer.precision`` for mixed precision).
+    one unit of prefetch.
 
     Args:
         activation_checkpointing: recompute each block's activations in backward.
+        param_dtype / reduce_dtype: FSDP mixed precision (``bf16``, ``fp16``, ``fp32`` or null): the
+            sharded parameters stay in their dtype (the fp32 master copy), forward/backward compute
+            in ``param_dtype``, gradients are reduced in ``reduce_dtype``. Or Lightning's
+            ``trainer.precision`` (bf16-mixed: autocast over fp32 parameters).
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
     """
 
     strategy_name = "lp_zero3"
     _offload = False
 
-    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
+    def __init__(self, activation_checkpointing: bool = False, param_dtype: str | None = None,
+                 reduce_dtype: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
         super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=self._offload,
-                         activation_checkpointing=activation_checkpointing,
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
+                         reduce_dtype=reduce_dtype, process_group_backend=process_group_backend, timeout=timeout)
 
 
 class Zero3OffloadStrategy(Zero3Strategy):
