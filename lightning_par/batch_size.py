@@ -35,6 +35,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lightning_par import ConfigError
+from lightning_par.callbacks.memory import peak_rss_bytes
 
 GiB = 1024**3
 _DROP = ("mode=", "hydra.run.dir=", "trainer.accumulate_grad_batches=", "data.global_batch_size=",
@@ -91,7 +92,7 @@ def estimator_seed(cfg: DictConfig, model: Any, strategy: str, world: int, cap: 
     from lightning_par.estimate import Shape, estimate
 
     config = getattr(model, "config", None)
-    if cap is None or config is None or not hasattr(config, "n_params"):
+    if cap is None or cap <= 0 or config is None or not hasattr(config, "n_params"):
         return 1
     shape = Shape(config.n_layer, config.n_embd, config.n_head, config.vocab_size, int(model.seq_len))
     precision = str(cfg.trainer.get("precision", "32-true"))
@@ -162,7 +163,10 @@ def find_batch_size(cfg: DictConfig) -> dict[str, Any]:
     strategy_name = HydraConfig.get().runtime.choices.get("strategy", "single")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(_DROP)]
     out_dir = str(cfg.paths.output_dir)
-    seed = estimator_seed(cfg, model, strategy_name, world, cap, limit)
+    # the estimator models device memory; on CPU the cap also covers the runtime itself (Python, torch,
+    # Lightning), which this process has already loaded: its resident size is the seed's baseline
+    baseline = 0 if on_cuda else peak_rss_bytes()
+    seed = estimator_seed(cfg, model, strategy_name, world, None if cap is None else cap - baseline, limit)
     tries: dict[int, Try] = {}
 
     def fits(micro: int) -> bool:
