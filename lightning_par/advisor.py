@@ -1,34 +1,36 @@
-"""Strategy advisor: which strategy for this model on this cluster, and the command to run it.
+"""Strategy advisor: which strategy for this model on this cluster, and the command that runs it.
 
-The decision tree of the field's standard notes, with every "fits" decided by the memory model of
-``lightning_par.estimate`` (model states by the ZeRO paper's formulas, activations by Korthikanti
-et al.; a device counts as fitting when the estimate is within ``headroom`` of its memory):
+Every candidate is priced by the cost model (``lightning_par.estimate``: per-rank *peak* of a step,
+activations and transients included) and by the communication model (``lightning_par.comm_model``:
+payload bytes per step and rank, by collective and mesh axis; time = bytes x bus factor / link
+bandwidth, the within-node bandwidth for axes inside a node and the between-node one for axes that
+span nodes). A plan "fits" when its predicted peak is within ``headroom`` of device memory; the
+advisor never recommends one that does not (it says so and exits non-zero instead).
 
-1. The whole training state fits one device -> ``single`` on one device, else ``ddp`` (cheapest
-   communication: one gradient all-reduce, overlapped with backward).
-2. Not, and even the largest layer (its weights and gradients at working precision) does not fit
-   one device -> tensor parallelism within a node is unavoidable (``tensor_parallel`` /
-   ``fsdp_tp``; ``3d`` when pipeline stages across nodes are needed too).
-3. Not, layers fit: shard data-parallel states, least sharding that fits (each stage adds
-   communication): ``zero1`` -> ``zero2`` -> ``fsdp`` (ZeRO-3).
-   On several nodes with slow links between them, a full shard over every rank all-gathers across
-   nodes every layer; prefer ``hsdp`` (shard within a node, replicate across) when a node's worth
-   of sharding fits, else cut the model: TP within nodes and pipeline stages across nodes (``3d``),
-   which sends only activations between nodes.
-4. One device that cannot hold it at all -> ``zero3_offload`` (states in host memory).
+The decision tree (the field's standard notes):
 
-TP and PP memory (not in the ZeRO paper's model): model states divide by tp x pp (each rank
-holds 1/tp of every layer of 1/pp of the layers), activations by tp (sequence parallelism shards
-the rest) and, for 1F1B, the first stage keeps pp micro-batches of its L/pp layers -- one full
-micro-batch's worth, so activations per rank are A / tp.
+1. the whole step fits one device -> ``single`` (one device) or ``ddp``;
+2. else the least sharding that fits: ``zero1`` -> ``zero2`` -> ``fsdp`` (ZeRO-3), then ``hsdp``
+   (shard within a node) and the model-parallel cuts ``fsdp_tp`` (TP within a node) and ``3d``
+   (TP within nodes, pipeline stages across nodes). On several nodes with slow links the fitting
+   candidate with the least predicted communication time wins;
+3. nothing fits, or a single layer is too large to all-gather: ZeRO-3 with CPU offload
+   (``zero3_offload``), and memory-centric tiling (``strategy.tiling``) of every linear whose FSDP
+   unit does not fit; the embedding cannot be tiled, so a vocabulary too large for one device goes
+   to tensor parallelism within a node.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 
-from lightning_par.estimate import GIB, Shape, activation_bytes, bytes_per_param, estimate, estimate_table
+from lightning_par import comm_model
+from lightning_par.costs.activations import Shape
+from lightning_par.estimate import GIB, MemoryEstimate, estimate, layout
+
+TILES = (2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class Cluster:
     nodes: int = 1
     devices_per_node: int = 8
     device_memory_gb: float = 80.0  # GiB per device
-    slow_inter_node: bool = False  # e.g. Ethernet between nodes, NVLink/InfiniBand-class within
+    intra_node_gbs: float = 300.0  # GB/s per device within a node (NVLink-class)
+    inter_node_gbs: float = 25.0  # GB/s per device between nodes (InfiniBand-class; Ethernet: ~3)
 
     @property
     def devices(self) -> int:
@@ -44,155 +47,230 @@ class Cluster:
 
 
 @dataclass
-class Advice:
+class Candidate:
     strategy: str
+    overrides: list[str]
+    memory: MemoryEstimate
+    comm_bytes: int
+    comm_seconds: float
+    fits: bool
+    global_batch: int = 1
+
+    @property
+    def label(self) -> str:
+        extra = [o.split("=", 1)[1] for o in self.overrides if o.startswith(("strategy.tp=", "strategy.pp="))]
+        return self.strategy + (" tiled" if any("tiling" in o for o in self.overrides) else "") + (
+            f" ({'x'.join(extra)})" if extra else "")
+
+
+@dataclass
+class Advice:
+    strategy: str | None
     overrides: list[str]
     reasons: list[str]
     per_device_bytes: int
-    table: str
-    mesh: dict[str, int] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    model_overrides: list[str] = field(default_factory=list)
+    precision: str = "bf16-mixed"
 
-    def command(self, model: str | None) -> str:
-        parts = ["python run.py", f"strategy={self.strategy}"]
-        if model:
-            parts.append(f"model={model}")
-        return " ".join(parts + self.overrides)
+    def command(self) -> str:
+        """The complete command: strategy, model, data and trainer overrides."""
+        if self.strategy is None:
+            return ""
+        return " ".join(["python run.py", f"strategy={self.strategy}", *self.model_overrides,
+                         f"trainer.precision={self.precision}", *self.overrides])
+
+    def table(self, budget: float) -> str:
+        head = (f"{'candidate':<26}{'peak GiB':>10}{'acts':>8}{'transient':>10}{'fits':>6}"
+                f"{'comm GB/step':>14}{'comm s/step':>13}")
+        lines = [head, "-" * len(head)]
+        for c in self.candidates:
+            m = c.memory
+            lines.append(f"{c.label:<26}{m.peak / GIB:>10.2f}{m.activations / GIB:>8.2f}{m.transient / GIB:>10.2f}"
+                         f"{'yes' if c.fits else 'NO':>6}{c.comm_bytes / 1e9:>14.2f}{c.comm_seconds:>13.3f}")
+        return "\n".join(lines + [f"(fits: peak <= {budget / GIB:.1f} GiB usable)"])
 
 
-def largest_layer_params(shape: Shape, mlp_ratio: int = 4) -> int:
-    """Parameters of the biggest single weight: the vocabulary table/head or an MLP matrix."""
-    return max(shape.vocab_size * shape.n_embd, mlp_ratio * shape.n_embd * shape.n_embd)
+def model_overrides(shape: Shape, preset: str | None, global_batch: int) -> list[str]:
+    """Overrides that build exactly ``shape`` and feed it ``global_batch`` sequences per step."""
+    if preset:
+        out = [f"model={preset}"]
+    else:
+        out = ["model=gpt_small", "model.preset=null", f"+model.n_layer={shape.n_layer}",
+               f"+model.n_embd={shape.n_embd}", f"+model.n_head={shape.n_head}",
+               f"+model.vocab_size={shape.vocab_size}", f"+model.block_size={shape.block_size or shape.seq_len}",
+               f"+model.mlp_ratio={shape.mlp_ratio}", f"+model.bias={str(shape.bias).lower()}"]
+    return out + [f"data.seq_len={shape.seq_len}", f"data.global_batch_size={global_batch}"]
 
 
-def advise(n_params: int, shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", optimizer: str = "adamw",
-           micro_batch_size: int = 1, checkpointing: bool = True, headroom: float = 0.9) -> Advice:
+def _axis_bandwidth(mesh: dict[str, int], cluster: Cluster) -> dict[str, float]:
+    """GB/s of each mesh axis: within a node when the axis and the axes inside it fit in one node."""
+    out, inner = {}, 1
+    for axis in ("tp", "ep", "dp_shard", "dp_replicate", "pp"):  # innermost first (parallel/mesh.py)
+        inner *= mesh.get(axis, 1)
+        out[axis] = cluster.intra_node_gbs if inner <= cluster.devices_per_node else cluster.inter_node_gbs
+    return out
+
+
+def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, micro: int, kw: dict,
+               overrides: list[str], **lay) -> Candidate | None:
+    n = 1 if strategy == "single" else cluster.devices
+    try:
+        lo = layout(strategy, n, **lay)
+    except ValueError:
+        return None
+    mesh = lo.mesh
+    dp = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1)
+    per_rank = micro * (lo.n_microbatches or lo.pp)  # a pipeline splits its batch into micro-batches of ``micro``
+    mem = estimate(shape, devices=n, strategy=strategy, micro_batch_size=per_rank, layout_=lo, **kw)
+    u = shape.units()
+    cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro,
+                                  shape.vocab_size, shape.mlp_ratio, shape.block_size, shape.bias)
+    dtype = 2 if kw["precision"] != "32-true" else 4
+    try:
+        comm = comm_model.step_comm_bytes(strategy, n_params=u["total"], mesh=mesh, dtype_bytes=dtype, shape=cshape,
+                                          micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule)
+    except ValueError:
+        comm = {}
+    seconds = comm_model.predicted_seconds(comm, mesh, _axis_bandwidth(mesh, cluster))
+    nodes = [f"trainer.devices={min(n, cluster.devices_per_node)}"] + (
+        [f"trainer.num_nodes={cluster.nodes}"] if n > cluster.devices_per_node else [])
+    return Candidate(strategy, nodes + overrides, mem, comm_model.total_bytes(comm), seconds, mem.peak <= budget,
+                     per_rank * dp)
+
+
+def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", optimizer: str = "adamw",
+           micro_batch_size: int = 1, checkpointing: bool = True, headroom: float = 0.9,
+           preset: str | None = None) -> Advice:
     budget = cluster.device_memory_gb * GIB * headroom
-    kw = dict(precision=precision, optimizer=optimizer, shape=shape, micro_batch_size=micro_batch_size,
-              checkpointing=checkpointing)
-    n = cluster.devices
-    table = estimate_table(n_params, devices=n, device_memory=cluster.device_memory_gb * headroom, **kw)
-    p, g, k = bytes_per_param(precision, optimizer)
+    kw = dict(precision=precision, optimizer=optimizer, checkpointing=checkpointing, device="cuda")
+    ckpt = ["strategy.activation_checkpointing=true"] if checkpointing else []
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    dpn, nodes, n = cluster.devices_per_node, cluster.nodes, cluster.devices
+    c = lambda s, o=(), **lay: _candidate(s, shape, cluster, budget, micro_batch_size, kw, [*o, *ckpt], **lay)  # noqa: E731
+    order = [c("single")] if n == 1 else [c("ddp"), c("zero1"), c("zero2"), c("fsdp")]
+    if n > 1 and nodes > 1:
+        order += [c("hsdp", [f"strategy.replicate={nodes}"], replicate=nodes)]
+    if n > 1 and dpn > 1:
+        order += [c("fsdp_tp", [f"strategy.tp={dpn}"], tp=dpn)]
+        if nodes > 1:
+            order += [c("3d", [f"strategy.tp={dpn}", f"strategy.pp={nodes}"], tp=dpn, pp=nodes)]
+    order += [c("zero3_offload")]
+    cands = [x for x in order if x is not None]
     reasons: list[str] = []
-    nodes = ["trainer.devices=" + str(cluster.devices_per_node)] + (
-        [f"trainer.num_nodes={cluster.nodes}"] if cluster.nodes > 1 else [])
-    act_flag = ["strategy.activation_checkpointing=true"] if checkpointing else []
-
-    whole = estimate(n_params, devices=1, strategy="single", **kw)
-    if whole.total <= budget:
-        reasons.append(f"the whole training state ({gib(whole.total)}) fits one device ({gib(budget)} usable)")
-        if n == 1:
-            return Advice("single", [], reasons, whole.total, table)
-        reasons.append("so plain data parallelism: replicas plus one overlapped gradient all-reduce")
-        return Advice("ddp", nodes, reasons, whole.total, table, {"dp_replicate": n})
-    reasons.append(f"the training state ({gib(whole.total)}) does not fit one device ({gib(budget)} usable)")
-
-    layer = largest_layer_params(shape) * (p + g)
-    if layer > budget:
-        tp = cluster.devices_per_node
-        pp = cluster.nodes
-        per = _model_parallel_bytes(n_params, shape, tp, pp, p + g + k, kw)
-        reasons.append(f"its largest layer alone ({gib(layer)} of weights and grads) exceeds a device: "
-                       f"split every layer with tensor parallelism within a node (tp={tp})")
-        if pp > 1:
-            reasons.append(f"and cut pipeline stages across the {pp} nodes (pp={pp}): {gib(per)} per device")
-            return Advice("3d", nodes + [f"strategy.tp={tp}", f"strategy.pp={pp}"] + act_flag, reasons, per,
-                          table, {"pp": pp, "tp": tp})
-        if per > budget:
-            reasons.append(f"even so {gib(per)} per device does not fit: add nodes (pipeline stages) or devices")
-        else:
-            reasons.append(f"{gib(per)} per device")
-        return Advice("tensor_parallel", nodes + act_flag, reasons, per, table, {"tp": tp})
-
-    if n == 1:
-        off = estimate(n_params, devices=1, strategy="zero3_offload", **kw)
-        reasons.append(f"one device: keep parameters, gradients and optimizer state in host memory "
-                       f"({gib(off.offloaded)} on the host, {gib(off.total)} of activations on the device)")
-        return Advice("zero3_offload", act_flag, reasons, off.total, table)
-
-    multi_slow = cluster.nodes > 1 and cluster.slow_inter_node
-    for strategy in ("zero1", "zero2", "fsdp"):
-        est = estimate(n_params, devices=n, strategy=strategy, **kw)
-        if est.total <= budget and not (multi_slow and strategy == "fsdp"):
-            if multi_slow:  # zero1/zero2 only all-reduce/reduce-scatter gradients once per step across nodes
-                reasons.append("links between nodes are slow, but this stage communicates gradients only once "
-                               "per step")
-            reasons.append(f"{strategy} over all {n} ranks fits: {gib(est.total)} per device "
-                           "(the least sharding that fits, so the least communication)")
-            return Advice(strategy, nodes + act_flag, reasons, est.total, table, {"dp_shard": n})
-
-    if multi_slow:
-        node_shard = estimate(n_params, devices=cluster.devices_per_node, strategy="fsdp", **kw)
-        if node_shard.total <= budget:
-            reasons.append(f"slow links between nodes: shard within each node and replicate across nodes (hsdp): "
-                           f"{gib(node_shard.total)} per device")
-            return Advice("hsdp", nodes + [f"strategy.replicate={cluster.nodes}"] + act_flag, reasons,
-                          node_shard.total, table, {"dp_replicate": cluster.nodes,
-                                                     "dp_shard": cluster.devices_per_node})
-        tp, pp = cluster.devices_per_node, cluster.nodes
-        per = _model_parallel_bytes(n_params, shape, tp, pp, p + g + k, kw)
-        reasons.append(f"one node's worth of sharding ({gib(node_shard.total)} per device) does not fit and "
-                       "links between nodes are slow: tensor parallelism within nodes, pipeline stages across "
-                       f"nodes (only activations cross nodes): tp={tp} x pp={pp}, {gib(per)} per device")
-        return Advice("3d", nodes + [f"strategy.tp={tp}", f"strategy.pp={pp}"] + act_flag, reasons, per, table,
-                      {"pp": pp, "tp": tp})
-
-    est = estimate(n_params, devices=n, strategy="fsdp", **kw)
-    if est.total <= budget:
-        reasons.append(f"fsdp (ZeRO-3) over all {n} ranks fits: {gib(est.total)} per device")
-        return Advice("fsdp", nodes + act_flag, reasons, est.total, table, {"dp_shard": n})
-    off = estimate(n_params, devices=n, strategy="zero3_offload", **kw)
-    reasons.append(f"even ZeRO-3 over {n} ranks needs {gib(est.total)} per device: offload states to host memory")
-    return Advice("zero3_offload", nodes + act_flag, reasons, off.total, table)
+    whole = c("single")
+    if whole.fits:
+        reasons.append(f"the whole step ({gib(whole.memory.peak)} at its peak) fits one device ({gib(budget)} usable)")
+    else:
+        reasons.append(f"the whole step needs {gib(whole.memory.peak)} at its peak ({whole.memory.moment}): "
+                       f"more than one device ({gib(budget)} usable)")
+    fitting = [x for x in cands if x.fits]
+    slow = nodes > 1 and cluster.inter_node_gbs < cluster.intra_node_gbs / 4
+    if not fitting:
+        tiled = _tiled_offload(shape, cluster, budget, micro_batch_size, kw, ckpt, reasons)
+        if tiled is not None:
+            cands.append(tiled)
+            fitting = [tiled]
+    if not fitting:
+        reasons.append("no candidate's predicted peak fits: add devices, lower the micro-batch or the sequence")
+        return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, micro_batch_size), precision)
+    if slow and len(fitting) > 1:
+        best = min(fitting, key=lambda x: x.comm_seconds)
+        reasons.append(f"links between nodes are slow ({cluster.inter_node_gbs:g} GB/s): of the plans that fit, "
+                       f"{best.label} spends the least time communicating ({best.comm_seconds:.3f} s per step)")
+    else:
+        best = fitting[0]
+        if best.strategy not in ("single", "ddp", "zero3_offload"):
+            reasons.append(f"{best.label} is the least sharding that fits ({gib(best.memory.peak)} per device at its "
+                           "peak): each further stage adds communication")
+        elif best.strategy == "zero3_offload" and not any("tiling" in o for o in best.overrides):
+            reasons.append(f"only ZeRO-3 with the states in host memory fits ({gib(best.memory.peak)} on the device)")
+    return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,
+                  model_overrides(shape, preset, best.global_batch), precision)
 
 
-def _model_parallel_bytes(n_params: int, shape: Shape, tp: int, pp: int, state_bytes: int, kw: dict) -> int:
-    states = -(-n_params // (tp * pp)) * state_bytes
-    return states + activation_bytes(shape, micro_batch_size=kw["micro_batch_size"], precision=kw["precision"],
-                                     checkpointing=kw["checkpointing"]) // tp
+def _tiled_offload(shape: Shape, cluster: Cluster, budget: float, micro: int, kw: dict, ckpt: list[str],
+                   reasons: list[str]) -> Candidate | None:
+    """ZeRO-3 + CPU offload with the largest linears tiled, the fewest tiles that fit (ZeRO-Infinity)."""
+    u = shape.units()
+    linears = sorted((k.split(".", 1)[1] for k in u if k.startswith("block.")), key=lambda k: -u[f"block.{k}"])
+    big = [name for name in linears if u[f"block.{name}"] >= 0.25 * u["block"]]  # the MLP matrices
+    out_features = {name: (shape.mlp_ratio * shape.n_embd if name == "mlp.fc" else shape.n_embd) for name in big}
+    for k in TILES:
+        if any(out_features[name] % k for name in big) or shape.vocab_size % k:
+            continue
+        tiling = {f"net.blocks.{i}.{name}": k for i in range(shape.n_layer) for name in big}
+        tiling["net.head.lm_head"] = k
+        text = "{" + ",".join(f"{p}:{t}" for p, t in tiling.items()) + "}"
+        cand = _candidate("zero3_offload", shape, cluster, budget, micro, kw, [f"+strategy.tiling={text}", *ckpt],
+                          tiling=tiling)
+        if cand is not None and cand.fits:
+            reasons.append(f"even ZeRO-3 with offload must all-gather a whole layer; tiling the MLP linears and the "
+                           f"output head into {k} tiles (each its own FSDP unit) brings the peak to "
+                           f"{cand.memory.peak / GIB:.1f} GiB")
+            return cand
+    if u["embed_table"] * 4 > budget:
+        reasons.append("the embedding table alone exceeds a device and cannot be tiled: tensor parallelism "
+                       "(vocabulary-parallel embedding) within a node is needed")
+    return None
+
+
+def shape_from_args(args: argparse.Namespace) -> tuple[Shape, str | None]:
+    from lightning_par.estimate import model_shape
+
+    if args.model:
+        return model_shape(args.model, args.seq_len)[1], args.model
+    if not (args.layers and args.hidden):
+        raise ValueError("--params needs --layers and --hidden")
+    heads = args.heads or max(1, args.hidden // 128)
+    shape = Shape(args.layers, args.hidden, heads, args.vocab, args.seq_len or 2048, args.mlp_ratio,
+                  bias=False, block_size=args.seq_len or 2048)
+    got = shape.units()["total"]
+    if abs(got - args.params) > 0.1 * args.params:
+        raise ValueError(f"--layers {args.layers} --hidden {args.hidden} --vocab {args.vocab} build {got:,} "
+                         f"parameters, not about {args.params:,.0f}")
+    return shape, None
 
 
 def main(argv: list[str] | None = None) -> Advice:
     ap = argparse.ArgumentParser(prog="python -m lightning_par.advisor", description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a GPT preset name (see conf/model)")
-    src.add_argument("--params", type=float, help="parameter count (then give --layers and --hidden)")
+    src.add_argument("--params", type=float, help="parameter count (with --layers and --hidden)")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--heads", type=int, default=None, help="default: hidden / 128")
     ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--mlp-ratio", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size, else 2048")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--devices-per-node", type=int, default=8)
     ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device")
-    ap.add_argument("--slow-inter-node", action="store_true", help="slow links between nodes (e.g. Ethernet)")
+    ap.add_argument("--intra-node-gbs", type=float, default=300.0, help="GB/s per device within a node")
+    ap.add_argument("--inter-node-gbs", type=float, default=25.0, help="GB/s per device between nodes")
     ap.add_argument("--precision", default="bf16-mixed")
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--no-checkpointing", action="store_true", help="assume no activation checkpointing")
     args = ap.parse_args(argv)
     try:
-        if args.model:
-            from lightning_par.estimate import model_shape
-
-            n_params, shape = model_shape(args.model, args.seq_len)
-        else:
-            if not (args.layers and args.hidden):
-                raise ValueError("--params needs --layers and --hidden")
-            heads = args.heads or max(1, args.hidden // 128)
-            n_params, shape = int(args.params), Shape(args.layers, args.hidden, heads, args.vocab, args.seq_len)
-        cluster = Cluster(args.nodes, args.devices_per_node, args.device_memory, args.slow_inter_node)
-        advice = advise(n_params, shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
-                        checkpointing=not args.no_checkpointing)
+        shape, preset = shape_from_args(args)
+        cluster = Cluster(args.nodes, args.devices_per_node, args.device_memory, args.intra_node_gbs,
+                          args.inter_node_gbs)
+        advice = advise(shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
+                        checkpointing=not args.no_checkpointing, preset=preset)
     except ValueError as exc:
         ap.error(str(exc))
-    print(f"Recommended: {advice.strategy}")
+    budget = cluster.device_memory_gb * GIB * 0.9
+    print(f"Recommended: {advice.strategy or 'nothing fits'}")
     for r in advice.reasons:
         print(f"  - {r}")
     print()
-    print(advice.table)
+    print(advice.table(budget))
     print()
+    if advice.strategy is None:
+        sys.exit(2)
     print("Run it with:")
-    print("  " + advice.command(args.model))
+    print("  " + advice.command())
     return advice
 
 

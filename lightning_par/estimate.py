@@ -255,26 +255,45 @@ def run_estimate(cfg: Any) -> str:
         params = opts.get("params")
         shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
         model: Any = int(float(params)) if params is not None else (shape or _count_params(cfg.model))
-        kw = dict(devices=n, precision=precision, optimizer=optimizer, micro_batch_size=micro,
-                  checkpointing=checkpointing, device=device)
-        rows = estimate_all(model, **kw) if n > 1 or name in STRATEGIES else []
-        if name not in STRATEGIES or n == 1:
-            rows = [r for r in rows if r.strategy != name] + [
-                estimate(model, strategy=name, layout_=strategy_layout(name, strategy, dims, tiling), **kw)]
-        table = estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
-                               unit=str(opts.get("unit", "GiB")), **kw)
+        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+        kw = dict(devices=n, precision=precision, optimizer=optimizer, checkpointing=checkpointing, device=device)
+        rows, notes = [], []
+        family = [s for s in STRATEGIES if s != name] if n > 1 else []
+        for row in family:  # the data-parallel family: dp = N (single: one device)
+            dp = 1 if row == "single" else n
+            if gbs % (dp * accumulate):
+                notes.append(f"note: {row} skipped: data.global_batch_size={gbs} does not split over {dp} ranks")
+                continue
+            rows.append(estimate(model, strategy=row, micro_batch_size=gbs // (dp * accumulate), **kw))
+        rows.append(estimate(model, strategy=name, micro_batch_size=micro,
+                             layout_=strategy_layout(name, strategy, dims, tiling), **kw))
+        rows.sort(key=lambda r: list(SHARDING).index(r.strategy))
+        table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
+                                                   unit=str(opts.get("unit", "GiB")), micro_batch_size=micro, **kw)])
     except (ValueError, KeyError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
     out_dir = str(cfg.paths.output_dir)
     os.makedirs(out_dir, exist_ok=True)
-    record = {"world_size": n, "precision": precision, "optimizer": optimizer, "micro_batch_size": micro,
-              "checkpointing": checkpointing, "device": device, "seq_len": shape.seq_len if shape else None,
+    record = {"world_size": n, "strategy": name, "mesh": dims.sizes(), "precision": precision,
+              "optimizer": optimizer, "micro_batch_size": micro, "checkpointing": checkpointing, "device": device, "seq_len": shape.seq_len if shape else None,
               "n_params": model if isinstance(model, int) else model.units()["total"],
-              "strategies": [r.as_dict() for r in rows]}
+              "strategies": [{**r.as_dict(), "micro_batch_size": m} for r, m in zip(rows, _micro_of(rows, gbs, accumulate))]}
     with open(os.path.join(out_dir, "estimate.json"), "w") as f:
         json.dump(record, f, indent=2)
     print(table)
     return table
+
+
+def _micro_of(rows: list[MemoryEstimate], gbs: int, accumulate: int) -> list[int]:
+    """Each row's per-rank micro-batch: the global batch over its data-parallel ranks."""
+    dp = lambda m: m.get("dp_replicate", 1) * m.get("dp_shard", 1)  # noqa: E731
+    return [facts_micro(gbs, dp(r.mesh), accumulate) for r in rows]
+
+
+def facts_micro(gbs: int, dp: int, accumulate: int) -> int:
+    from lightning_par.facts import micro_batch_size
+
+    return micro_batch_size(gbs, dp, accumulate)
 
 
 def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:

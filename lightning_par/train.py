@@ -29,7 +29,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_par import ConfigError
+from lightning_par import ConfigError, facts
 from lightning_par.callbacks.guard import RunGuard, RunStopped
 from lightning_par.jobs import RunDirLock, clear_failure
 from lightning_par.parallel.contract import input_kind_of
@@ -42,34 +42,17 @@ _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZ
 
 
 def _accelerator(cfg: DictConfig) -> str:
-    acc = str(cfg.trainer.get("accelerator", "auto"))
-    if acc in ("auto", "gpu"):
-        return "cuda" if torch.cuda.is_available() else ("cpu" if acc == "auto" else "gpu")
-    return acc
+    return facts.accelerator(cfg.trainer)
 
 
 def torchrun_world() -> tuple[int, int] | None:
-    """(processes per node, nodes) as torchrun started them (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``), or
-    None outside torchrun. Under torchrun these, not ``trainer.devices``, are the world."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return local, max(1, world // max(1, local))
+    """(processes per node, nodes) under torchrun, else None (``lightning_par.facts``)."""
+    return facts.torchrun_world()
 
 
 def world_size_of(cfg: DictConfig) -> int:
-    elastic = torchrun_world()
-    if elastic is not None:
-        return elastic[0] * elastic[1]
-    devices = cfg.trainer.get("devices", 1)
-    if isinstance(devices, str) and devices != "auto":
-        devices = int(devices)
-    if devices in ("auto", -1):
-        devices = torch.cuda.device_count() if _accelerator(cfg) == "cuda" else 1
-    if isinstance(devices, (list, tuple)) or hasattr(devices, "__len__"):
-        devices = len(devices)
-    return int(devices) * int(cfg.trainer.get("num_nodes", 1))
+    """The run's world size: one rule for training, ``mode=estimate`` and the advisor (``facts.py``)."""
+    return facts.world_size(cfg)
 
 
 def launched_externally() -> bool:
@@ -107,9 +90,7 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
         except ValueError as e:
             raise ConfigError(str(e)) from None
         dims = strategy.dims_for(world)
-        from lightning_par.data import micro_batch_size
-
-        micro = micro_batch_size(int(cfg.data.global_batch_size), dims.dp,
+        micro = facts.micro_batch_size(int(cfg.data.global_batch_size), dims.dp,
                                  int(cfg.trainer.get("accumulate_grad_batches", 1)))
         check_batch = getattr(strategy, "validate_batch", None)  # e.g. pipelines: micro-batches must divide it
         if callable(check_batch):

@@ -95,12 +95,14 @@ class MemoryMonitor(L.Callback):
         self.measure_at_step = measure_at_step
         self._states: dict[str, int] | None = None
         self._setup: dict[str, int | None] = {}
+        self._peak_allocated: int | None = None
         self.per_rank: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the strategy's setup (build, shard, materialise) is over and no step has run: what a rank
         # needs just to hold its part of the model
         self._states = None
+        self._peak_allocated = None
         self._setup = {"setup_peak_rss": peak_rss_bytes(), "setup_peak_allocated": None}
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             self._setup["setup_peak_allocated"] = int(torch.cuda.max_memory_allocated(pl_module.device))
@@ -110,14 +112,22 @@ class MemoryMonitor(L.Callback):
         if self._states is None and trainer.global_step >= self.measure_at_step:
             self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
 
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._states is None:  # too few steps: measure what is held now
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # before teardown: Lightning's teardown moves single-device and DDP modules back to the CPU,
+        # after which ``pl_module.device`` no longer names the GPU (on_fit_end runs after teardown).
+        # The allocator's counters are host-side: reading them syncs nothing, and it happens once.
+        self._peak_allocated = None
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            self._peak_allocated = int(torch.cuda.max_memory_allocated(device))
+        if self._states is None:  # too few steps: measure what is held now (still on the device)
             self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
-        peak = None
-        if pl_module.device.type == "cuda":
-            peak = int(torch.cuda.max_memory_allocated(pl_module.device))
-        mine = {"rank": trainer.global_rank, **self._states, "peak_allocated": peak, "peak_rss": peak_rss_bytes(),
-                **self._setup}
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._states is None:  # training never ran its end hook (e.g. no step): measure what is held now
+            self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
+        mine = {"rank": trainer.global_rank, **self._states, "peak_allocated": self._peak_allocated,
+                "peak_rss": peak_rss_bytes(), **self._setup}
         self.per_rank = sorted(all_gather_objects(mine), key=lambda r: r["rank"])
 
     def summary(self) -> dict[str, Any]:

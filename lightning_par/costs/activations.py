@@ -98,7 +98,8 @@ def _unit_params(shape: Shape) -> tuple[tuple[str, int], ...]:
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     block = net.blocks[0]
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
-    units = {"embed": count(net.embed), "block": count(block), "head": count(net.head),
+    units = {f"block.{name}": m.weight.numel() for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+    units |= {"embed": count(net.embed), "block": count(block), "head": count(net.head),
              "lm_head": net.head.lm_head.weight.numel(), "embed_table": net.embed.tok.weight.numel(),
              "block_matmul": sum(m.weight.numel() for m in linears),
              "block_linear": max(m.weight.numel() for m in linears)}

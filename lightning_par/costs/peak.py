@@ -105,7 +105,12 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
 
     # activations per micro-batch
     lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel)
-    copies = act.weight_copy_bytes(u["block_matmul"], precision, tp)
+    # a tiled linear is checkpointed tile by tile (parallel/parallelize.py): one tile's weight copy at a time
+    tiled = {k: v for k, v in lay.tiling.items() if ".blocks." in f".{k}"}
+    names = {"block." + k.split(".blocks.", 1)[1].split(".", 1)[1]: v for k, v in tiled.items()}
+    matmul = u["block_matmul"] - sum(u[n] for n in names if n in u) + max([u[n] / k for n, k in names.items()
+                                                                            if n in u] or [0])
+    copies = act.weight_copy_bytes(int(matmul), precision, tp)
     keep = act.checkpoint_bytes_per_token(shape, precision, tp, lay.sequence_parallel) * tokens if ckpt \
         else lt * tokens + copies
     head_saved = (act.head_bytes_per_token(shape, precision, tp=tp, loss_parallel=lay.loss_parallel) * tokens
@@ -115,26 +120,23 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
 
     # all-gathered parameters (FSDP): root unit kept from forward to backward + current and prefetched units
     gathered_root = gathered_unit = 0.0
+    unit_max = block
     if lay.grads == "fsdp":
         gb = lay.gather_bytes or p
-        tiled = sum(u["lm_head"] / tp for path in lay.tiling if path.endswith("lm_head")) if has_head else 0
-        tiles = [u["lm_head"] / tp / k for path, k in lay.tiling.items() if path.endswith("lm_head")] if has_head else []
-        block_tiled = [(path, k) for path, k in lay.tiling.items() if ".blocks." in f".{path}"]
-        unit = block - sum(u["block_linear"] / tp * (1 - 1 / k) for _, k in block_tiled[:2])
-        gathered_root = gb * (embed + head - tiled)
-        gathered_unit = gb * max([unit, *tiles]) * (1 + lay.prefetch)
-        if shard == 1:
+        root, unit_max = fsdp_units(u, lay, has_embed, has_head, block, embed, head)
+        gathered_root = gb * root
+        gathered_unit = gb * unit_max * (1 + lay.prefetch)
+        if shard == 1 and not lay.offload:
             gathered_root = gathered_unit = 0.0
 
     base = params + opt
-    grad_unit = g * max(block, u["lm_head"] / tp if has_head else 0)
     moments = {}
     # backward at the loss (head): all activations, the loss buffers
     done = 0.0  # parameters whose gradients exist
     for name, saved_now, transient, unit_params in _backward_units(
             shape, lay, has_embed, has_head, layers, in_flight, keep, lt * tokens + copies, embed_saved,
             head_saved, tokens, precision, tp, ckpt, head, block, embed):
-        grads_now = _grads_during_backward(lay, g, local, psi_shard, done, unit_params)
+        grads_now = _grads_during_backward(lay, g, local, psi_shard, done, min(unit_params, unit_max))
         moments[f"backward {name}"] = base + grads_now + saved_now + transient + gathered_root + gathered_unit
         done += unit_params
     # the optimizer step
@@ -149,6 +151,26 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     moment = max(moments, key=moments.get)
     act_bytes = saved_all
     return Peak(int(params), int(grads_steady), int(opt), int(host), int(act_bytes), int(moments[moment]), moment)
+
+
+def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: float, embed: float,
+               head: float) -> tuple[float, float]:
+    """(root unit, largest other unit) in parameters on one rank: the root holds what no unit claims
+    (embedding, final norm, head); blocks are units; each tile of a tiled linear is a unit of its own
+    (``parallel/tiling.py``: ``net.head.lm_head`` or ``net.blocks.<i>.<path>``; every block is
+    assumed tiled alike)."""
+    tp = lay.tp
+    tiles, block_unit, root = [], block, embed + head
+    for path, k in lay.tiling.items():
+        if path.endswith("head.lm_head") and has_head:
+            root -= u["lm_head"] / tp
+            tiles.append(u["lm_head"] / tp / k)
+        elif ".blocks." in f".{path}":
+            name = "block." + path.split(".blocks.", 1)[1].split(".", 1)[1]
+            if name in u:
+                block_unit -= u[name] / tp  # the layer's tiles are units of their own
+                tiles.append(u[name] / tp / k)
+    return root, max([block_unit, *tiles])
 
 
 def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, full_layer, embed_saved, head_saved,
