@@ -127,14 +127,13 @@ class ExpertParallelStrategy(ShardedStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        # torch's foreach kernels refuse a list mixing plain tensors and DTensors (or DTensors on
-        # different meshes): such parameter groups take the per-tensor path
         for opt in self.optimizers:
-            for group in opt.param_groups:
-                kinds = {(p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None
-                         for p in group["params"]}
-                if len(kinds) > 1 and "foreach" in group:
-                    group["foreach"] = False
+            _per_tensor_where_mixed(opt)
+
+    @override
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        super().load_optimizer_state(optimizer, state)
+        _per_tensor_where_mixed(optimizer)  # a checkpoint's param_groups bring their own ``foreach``
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -154,6 +153,15 @@ class ExpertParallelStrategy(ShardedStrategy):
     @override
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "data_parallel": self.data_parallel}
+
+
+def _per_tensor_where_mixed(optimizer: torch.optim.Optimizer) -> None:
+    """torch's foreach kernels refuse a list mixing plain tensors and DTensors (or DTensors on
+    different meshes): such parameter groups take the per-tensor path."""
+    for group in optimizer.param_groups:
+        kinds = {(p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None for p in group["params"]}
+        if len(kinds) > 1 and "foreach" in group:
+            group["foreach"] = False
 
 
 def clip_grad_norm_grouped(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
