@@ -115,7 +115,7 @@ def _pipeline_p2p(out: dict, shape: CommShape, pp: int, m: int, b: int, schedule
 
 
 def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype_bytes: int = 4,
-                    shape: CommShape | None = None, micro_batches: int = 1, root_params: int | None = None,
+                    shape: CommShape | None = None, micro_batches: int = 1, kept_params: int = 0,
                     reshard_after_forward: bool = True, schedule: str = "1f1b", virtual_stages: int = 1,
                     stage_rank: int | None = None, stage_params: int | None = None,
                     sequence_parallel: bool = False, loss_parallel: bool = False,
@@ -130,8 +130,10 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
         shape: sizes for activation traffic (tensor and pipeline parallel) and for the parameter
             split FSDP and TP see; needed by ``tensor_parallel``, ``pipeline``, ``fsdp_tp``, ``3d``.
         micro_batches: pipeline micro-batches per step.
-        root_params: parameters no FSDP unit claims (gathered once, kept from forward to backward);
-            None: ``shape.root_params()`` when a shape is given, else 0 (the 2Ψ upper bound).
+        kept_params: parameters FSDP keeps gathered from forward to backward (all-gathered once).
+            This repository passes ``reshard_after_forward=True`` explicitly to every ``fully_shard``
+            call, root included, so nothing is kept: 0. Under torch's default (None) the root's
+            parameters are kept: pass ``shape.root_params()``.
         reshard_after_forward: FSDP re-gathers every unit in backward (ZeRO-3).
         schedule / virtual_stages / stage_rank: pipeline layout; stage_rank None: the busiest rank.
         stage_params: parameters of one pipeline rank's stages (pipeline x data parallel); None:
@@ -148,12 +150,11 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
         raise ValueError("comm_model: sequence_parallel / loss_parallel traffic is not modelled")
     if strategy in MODEL_PARALLEL and shape is None:
         raise ValueError(f"comm_model: strategy {strategy} needs a shape (activation sizes)")
-    root = root_params if root_params is not None else (shape.root_params() if shape else 0)
 
-    def fsdp(params: int, root_part: int, axis: str, reshard: bool) -> None:
+    def fsdp(params: int, kept: int, axis: str, reshard: bool) -> None:
         if shard <= 1:
             return
-        _add(out, "all_gather", axis, (2 * params - root_part if reshard else params) * b)
+        _add(out, "all_gather", axis, (2 * params - kept if reshard else params) * b)
         _add(out, "reduce_scatter", axis, params * b)
 
     if strategy == "single":
@@ -170,7 +171,7 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             _add(out, "all_gather", "dp_shard", _pad(P, shard) * b)
             _add(out, "all_reduce", "dp_shard", 4 * grad_clip)
     elif strategy in ("zero3", "zero3_offload", "fsdp", "hsdp"):
-        fsdp(P, root, "dp_shard", reshard_after_forward)
+        fsdp(P, kept_params, "dp_shard", reshard_after_forward)
         if rep > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
             _add(out, "all_reduce", "dp_replicate", P / shard * b)
     elif strategy == "tensor_parallel":
@@ -178,7 +179,7 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
         _add(out, "all_reduce", "dp_replicate", shape.tp_params(tp) * b * (rep > 1))
     elif strategy == "fsdp_tp":
         _tp_activation_comm(out, shape, tp, b, 1)
-        fsdp(shape.tp_params(tp), shape.root_params(tp), "dp_shard", reshard_after_forward)
+        fsdp(shape.tp_params(tp), kept_params, "dp_shard", reshard_after_forward)
     elif strategy in ("pipeline", "3d"):
         _pipeline_p2p(out, shape, pp, micro_batches, b, schedule, virtual_stages, stage_rank)
         if strategy == "3d":
