@@ -89,29 +89,43 @@ def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward:
     _add(out, "all_gather", "tp", n_forward * shape.micro_batch * shape.seq * shape.vocab * b)
 
 
-def _pipeline_p2p(out: dict, shape: CommShape, pp: int, m: int, b: int, schedule: str, virtual: int,
-                  stage_rank: int | None) -> None:
-    """Per micro-batch, a stage sends its output forward and its input gradient backward, each one
-    activation B_mb*T*h, to the neighbouring stage when that stage lives on another rank."""
-    if pp <= 1:
-        return
+def _pipeline_rank(shape: CommShape, pp: int, m: int, b: int, schedule: str, virtual: int, tp: int,
+                   rank: int) -> dict[str, dict[str, int]]:
+    """One pipeline rank's traffic per step. Per micro-batch, a stage sends its output forward and its
+    input gradient backward (one activation B_mb*T*h each) to a neighbouring stage on another rank.
+    With tp > 1, each of the rank's stages adds the tensor-parallel terms of its own layers (layers
+    spread evenly over the stages; the embedding's all-reduce on the first stage, the head's and the
+    logits all-gather on the last)."""
+    out: dict = defaultdict(lambda: defaultdict(int))
     n_stages = pp * virtual
     owner = ([min(s, 2 * pp - 1 - s) for s in range(n_stages)] if schedule == "zbv"
              else [s % pp for s in range(n_stages)])
     a = shape.activation_bytes(b)
-    best: dict[str, int] = {}
-    for r in ([stage_rank] if stage_rank is not None else range(pp)):
-        send = recv = 0
-        for s in (s for s in range(n_stages) if owner[s] == r):
-            if s + 1 < n_stages and owner[s + 1] != r:  # activation forward, its gradient back
-                send, recv = send + m * a, recv + m * a
-            if s > 0 and owner[s - 1] != r:  # activation in, input gradient out
-                send, recv = send + m * a, recv + m * a
-        if send >= best.get("send", -1):
-            best = {"send": send, "recv": recv}
-    _add(out, "send", "pp", best["send"])
-    _add(out, "recv", "pp", best["recv"])
-    _add(out, "all_reduce", "pp", 4)  # the mean micro-batch loss, shared by every stage (fp32 scalar)
+    L = shape.layers
+    for s in (s for s in range(n_stages) if owner[s] == rank):
+        for neighbour in (s - 1, s + 1):
+            if 0 <= neighbour < n_stages and owner[neighbour] != rank:
+                _add(out, "send", "pp", m * a)
+                _add(out, "recv", "pp", m * a)
+        if tp > 1:
+            layers = L // n_stages + (1 if s < L % n_stages else 0)
+            _add(out, "all_reduce", "tp", m * (6 * layers + (s == 0) + (s == n_stages - 1)) * a)
+            if s == n_stages - 1:
+                _add(out, "all_gather", "tp", m * shape.micro_batch * shape.seq * shape.vocab * b)
+    if pp > 1:
+        _add(out, "all_reduce", "pp", 4)  # the mean micro-batch loss, shared by every stage (fp32 scalar)
+    return out
+
+
+def _pipeline(out: dict, shape: CommShape, pp: int, m: int, b: int, schedule: str, virtual: int, tp: int,
+              stage_rank: int | None) -> None:
+    """The given pipeline rank's traffic, or (stage_rank None) the busiest rank's."""
+    ranks = [stage_rank] if stage_rank is not None else range(pp)
+    mine = max((_pipeline_rank(shape, pp, m, b, schedule, virtual, tp, r) for r in ranks),
+               key=lambda c: sum(sum(v.values()) for v in c.values()))
+    for kind, axes in mine.items():
+        for axis, nbytes in axes.items():
+            _add(out, kind, axis, nbytes)
 
 
 def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype_bytes: int = 4,
@@ -181,17 +195,12 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
         _tp_activation_comm(out, shape, tp, b, 1)
         fsdp(shape.tp_params(tp), kept_params, "dp_shard", reshard_after_forward)
     elif strategy in ("pipeline", "3d"):
-        _pipeline_p2p(out, shape, pp, micro_batches, b, schedule, virtual_stages, stage_rank)
+        _pipeline(out, shape, pp, micro_batches, b, schedule, virtual_stages, tp if strategy == "3d" else 1, stage_rank)
+        mine = stage_params if stage_params is not None else \
+            (shape.tp_params(tp) if strategy == "3d" else P) // pp
         if strategy == "3d":
-            # TP inside the rank's stages: the per-layer terms scale with the rank's share of layers
-            per_stage = CommShape(**{**shape.__dict__, "layers": max(1, shape.layers // pp)})
-            _tp_activation_comm(out, per_stage, tp, b, micro_batches)
-            mine = stage_params if stage_params is not None else shape.tp_params(tp) // pp
             fsdp(mine, 0, "dp_shard", False)  # no re-gather per micro-batch under a pipeline
-            _add(out, "all_reduce", "dp_replicate", mine * b * (rep > 1))
-        else:
-            mine = stage_params if stage_params is not None else P // pp
-            _add(out, "all_reduce", "dp_replicate", mine * b * (rep > 1))
+        _add(out, "all_reduce", "dp_replicate", mine * b * (rep > 1))
     else:
         raise ValueError(f"comm_model: no communication model for strategy {strategy!r}")
     return {k: dict(v) for k, v in out.items() if any(v.values())}
