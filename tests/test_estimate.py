@@ -1,23 +1,33 @@
-"""The memory model: the ZeRO paper's figures, lightning_par's byte layouts, activations, CLI."""
+"""The memory model: the ZeRO paper's figures, byte layouts, transient peaks, every strategy declared,
+``mode=estimate``'s table and estimate.json, the CLI."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
+from lightning_par.costs.activations import Shape, in_flight_micro_batches
+from lightning_par.costs.states import optimizer_state_bytes
 from lightning_par.estimate import (
+    _BY_CLASS,
+    SHARDING,
     STRATEGIES,
-    Shape,
-    activation_bytes,
     bytes_per_param,
     estimate,
     estimate_all,
     estimate_table,
     main,
+    model_shape,
 )
-from lightning_par.models.gpt import PRESETS, GPTConfig
+from lightning_par.models.gpt import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gb(x: float) -> float:
@@ -25,8 +35,8 @@ def _gb(x: float) -> float:
 
 
 def test_zero_paper_figure_1() -> None:
-    """Ψ = 7.5B, N = 64, K = 12 (Rajbhandari et al. 2020, Figure 1)."""
-    got = {s: _gb(estimate(7.5e9, devices=64, strategy=s, precision="paper-mixed").total)
+    """Ψ = 7.5B, N = 64, K = 12 (Rajbhandari et al. 2020, Figure 1): the model states per rank."""
+    got = {s: _gb(estimate(7.5e9, devices=64, strategy=s, precision="paper-mixed").states)
            for s in ("ddp", "zero1", "zero2", "zero3")}
     assert got == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.88}
     assert bytes_per_param("paper-mixed", "adamw") == (2, 2, 12)
@@ -34,71 +44,120 @@ def test_zero_paper_figure_1() -> None:
 
 def test_stage_ordering_and_offload() -> None:
     rows = {r.strategy: r for r in estimate_all(1e9, devices=8, precision="bf16-mixed")}
-    totals = [rows[s].total for s in ("ddp", "zero1", "zero2", "zero3")]
-    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
-    assert rows["single"].as_dict() | {"strategy": "ddp"} == rows["ddp"].as_dict()  # same states per rank
-    assert rows["fsdp"].total == rows["zero3"].total
+    states = [rows[s].states for s in ("ddp", "zero1", "zero2", "zero3")]
+    assert states == sorted(states, reverse=True) and len(set(states)) == 4
+    assert rows["fsdp"].peak == rows["zero3"].peak
     off = rows["zero3_offload"]
-    assert (off.params, off.grads, off.optimizer_state, off.total) == (0, 0, 0, 0)
-    assert off.offloaded == rows["zero3"].params + rows["zero3"].grads + rows["zero3"].optimizer_state
-    # what each stage shards: zero1 only the optimizer state, zero2 also grads, zero3 also params
+    assert (off.params, off.grads, off.optimizer_state, off.peak) == (0, 0, 0, 0)
+    assert off.offloaded == rows["zero3"].states
     assert rows["zero1"].params == rows["ddp"].params and rows["zero1"].grads == rows["ddp"].grads
     assert rows["zero2"].params == rows["ddp"].params and rows["zero2"].grads == rows["ddp"].grads // 8
     assert rows["zero3"].params == rows["ddp"].params // 8
 
 
-def test_byte_layouts() -> None:
-    # Lightning's bf16-mixed is autocast: fp32 params and grads, fp32 Adam m and v -> 16 bytes/param
+def test_zero2_holds_full_gradients_before_its_reduce_scatter() -> None:
+    """zero2 shards gradients only after backward: its step holds the full .grads and the flat copy."""
+    r = estimate(1e9, devices=8, strategy="zero2", precision="bf16-mixed")
+    assert r.transient == 2 * 4 * 10**9 and r.peak == r.states + r.transient
+    assert r.peak > estimate(1e9, devices=8, strategy="zero1", precision="bf16-mixed").peak
+
+
+def test_fsdp_gathered_units_and_prefetch() -> None:
+    shape = Shape(8, 512, 8, 4096, 256)  # a quarter of the head is smaller than a block
+    u = shape.units()
+    base = estimate(shape, devices=8, strategy="fsdp", precision="32-true", checkpointing=True, prefetch=0)
+    more = estimate(shape, devices=8, strategy="fsdp", precision="32-true", checkpointing=True, prefetch=2)
+    assert more.peak - base.peak == 2 * 4 * u["block"]  # two more blocks gathered at full size
+    tiled = estimate(shape, devices=8, strategy="fsdp", precision="32-true", checkpointing=True, prefetch=0,
+                     tiling={"net.head.lm_head": 4})
+    assert base.peak - tiled.peak == 4 * u["lm_head"]  # the head left the root unit: gathered a tile at a time
+
+
+def test_byte_layouts_and_8bit_state() -> None:
     assert bytes_per_param("bf16-mixed", "adamw") == (4, 4, 8) == bytes_per_param("16-mixed", "adam")
     assert bytes_per_param("32-true", "sgd") == (4, 4, 4)
     assert bytes_per_param("bf16-true", "adamw") == (2, 2, 4)
-    assert bytes_per_param("paper-mixed", "sgd") == (2, 2, 8)  # fp32 master + momentum
-    r = estimate(1000, devices=4, strategy="ddp", precision="bf16-mixed")
-    assert (r.params, r.grads, r.optimizer_state, r.activations) == (4000, 4000, 8000, 0)
-    # sharded sizes are padded to a multiple of N: ceil(1001 / 4) = 251 elements
-    assert estimate(1001, devices=4, strategy="zero3", precision="32-true").params == 251 * 4
+    assert bytes_per_param("paper-mixed", "sgd") == (2, 2, 8)
+    # torchao AdamW8bit: quantised tensors 2 x (1 + 4/256) + a 1 KiB map per state; small ones fp32 m and v
+    assert optimizer_state_bytes(0, "adamw8bit", "32-true", tensor_numels=[8192, 100]) == \
+        2 * (8192 + 4 * 32 + 1024) + 2 * 100 * 4
     with pytest.raises(ValueError, match="unknown precision"):
         estimate(1000, devices=2, strategy="ddp", precision="fp8")
     with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
         estimate(1000, devices=2, strategy="zero4")
 
 
-def test_activation_formula() -> None:
-    shape = Shape(n_layer=2, n_embd=64, n_head=4, vocab_size=256, seq_len=32)
-    s, b, h, a, L = 32, 3, 64, 4, 2
-    per_layer = s * b * h * (34 + 5 * a * s / h)  # Korthikanti et al. 2022, Eq. 1, 16-bit
-    assert activation_bytes(shape, micro_batch_size=b, precision="bf16-mixed") == L * per_layer
-    assert activation_bytes(shape, micro_batch_size=b, precision="32-true") == 2 * L * per_layer
-    ckpt = activation_bytes(shape, micro_batch_size=b, precision="bf16-mixed", checkpointing=True)
-    assert ckpt == L * 2 * s * b * h + per_layer
-    # linear in batch, and checkpointing saves more the deeper the model
-    deep = Shape(48, 1600, 25, 50304, 1024)
-    assert activation_bytes(deep, micro_batch_size=4) == 4 * activation_bytes(deep, micro_batch_size=1)
-    assert activation_bytes(deep, checkpointing=True) < activation_bytes(deep) / 10
-    # a GPTConfig brings its own shape; a bare count has none
-    cfg = GPTConfig(**PRESETS["gpt2"])
-    r = estimate(cfg, devices=2, strategy="ddp", micro_batch_size=2)
-    assert r.params == 4 * cfg.n_params
-    assert r.activations == activation_bytes(Shape(12, 768, 12, 50304, 1024), micro_batch_size=2)
-    assert r.total == r.params + r.grads + r.optimizer_state + r.activations
-    assert estimate(cfg.n_params, devices=2, strategy="ddp").activations == 0
+def test_state_bytes_agree_with_the_optimizer_factory() -> None:
+    from lightning_par.optim import state_bytes_per_param
+
+    for name in ("adamw", "adam", "sgd", "adamw8bit"):
+        assert bytes_per_param("32-true", name)[2] == pytest.approx(state_bytes_per_param(name))
+
+
+def test_pipeline_in_flight_and_tp_sharding() -> None:
+    assert in_flight_micro_batches("gpipe", 4, 16) == 16 and in_flight_micro_batches("1f1b", 4, 16) == 4
+    assert in_flight_micro_batches("interleaved_1f1b", 4, 16, 2) == pytest.approx(4 * (1 + 3 / 8))
+    shape = Shape(8, 512, 8, 32000, 256)
+    kw = dict(devices=8, precision="bf16-mixed", micro_batch_size=16)
+    gpipe = estimate(shape, strategy="pipeline", schedule="gpipe", n_microbatches=16, **kw)
+    ofob = estimate(shape, strategy="pipeline", schedule="1f1b", n_microbatches=16, **kw)
+    assert gpipe.activations > 1.8 * ofob.activations  # 16 micro-batches in flight on stage 0, against 8
+    kw["micro_batch_size"] = 8
+    tp2 = estimate(shape, strategy="tensor_parallel", tp=2, **kw)
+    tp8 = estimate(shape, strategy="tensor_parallel", **kw)
+    assert tp8.mesh == {"tp": 8} and tp8.activations < tp2.activations and tp8.params < tp2.params
+
+
+def test_every_strategy_config_is_declared() -> None:
+    """A new strategy config cannot be silently missing from the estimator's table."""
+    names = sorted(p.stem for p in (ROOT / "lightning_par/conf/strategy").glob("*.yaml"))
+    assert set(names) <= set(SHARDING), set(names) - set(SHARDING)
+    for name in names:
+        target = yaml.safe_load((ROOT / f"lightning_par/conf/strategy/{name}.yaml").read_text()).get("_target_")
+        if target:  # hsdp inherits fsdp's
+            assert target.rsplit(".", 1)[-1] in _BY_CLASS, target
+
+
+def test_shape_comes_from_the_module() -> None:
+    n, shape = model_shape("gpt2")
+    from lightning_par.models.module import GPTModule
+
+    module = GPTModule(preset="gpt2")
+    with torch.device("meta"):
+        module.configure_model()
+    assert n == sum(p.numel() for p in module.parameters()) == GPTConfig(**{**module.config.__dict__}).n_params
+    assert (shape.n_layer, shape.n_embd, shape.seq_len) == (12, 768, 1024)
 
 
 def test_table_marks_fit() -> None:
     table = estimate_table(7.5e9, devices=64, precision="paper-mixed", device_memory=32, unit="GB")
     lines = {line.split()[0]: line for line in table.splitlines()[3:]}
     assert list(lines) == list(STRATEGIES)
-    assert "120.000" in lines["ddp"] and lines["ddp"].endswith("NO")
-    assert lines["zero1"].endswith("yes") and lines["zero3"].endswith("yes")
-    assert "31.406" in lines["zero1"] and "16.641" in lines["zero2"] and "1.875" in lines["zero3"]
+    assert lines["ddp"].endswith("NO") and lines["zero1"].endswith("yes") and lines["zero3"].endswith("yes")
+
+
+def test_mode_estimate_writes_the_table_as_json(tmp_path) -> None:
+    """3d with its own tp/pp, trainer.devices=auto (1 on CPU) x num_nodes, figures = the printed ones."""
+    cmd = [sys.executable, "run.py", "mode=estimate", "model=gpt_tiny", "strategy=3d", "trainer.devices=auto",
+           "trainer.num_nodes=8", "strategy.tp=2", "strategy.pp=2", "data.global_batch_size=8",
+           f"paths.output_dir={tmp_path}", "+estimate.unit=GB", "+estimate.device=cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "estimate.json").read_text())
+    assert record["world_size"] == 8 and record["mesh"] == {"pp": 2, "dp_shard": 2, "tp": 2}
+    assert record["micro_batch_size"] == 4  # 8 sequences over dp = 2
+    rows = {r["strategy"]: r for r in record["strategies"]}
+    assert set(rows) == set(STRATEGIES) | {"3d"}
+    printed = {ln.split()[0]: ln.split() for ln in done.stdout.splitlines() if ln.split()[:1] and ln.split()[0] in rows}
+    for name, row in rows.items():
+        assert float(printed[name][-2]) == pytest.approx(row["peak"] / 1e9, abs=1e-3)
+        assert row["total"] == row["peak"] and row["peak"] >= row["states"]
 
 
 def test_cli(capsys) -> None:
     main(["--model", "gpt2_xl", "--devices", "64", "--precision", "paper-mixed", "--device-memory", "80"])
     out = capsys.readouterr().out
     assert "N = 64" in out and "zero3_offload" in out and "fits 80 GiB" in out
-    main(["--params", "7.5e9", "--devices", "64", "--precision", "paper-mixed", "--unit", "GB"])
-    assert "120.000" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--model", "no_such_model", "--devices", "2"])
     assert "choose one of gpt_tiny" in capsys.readouterr().err
