@@ -164,3 +164,15 @@ def test_cli(capsys) -> None:
     done = subprocess.run([sys.executable, "-m", "lightning_par.estimate", "--params", "1e9", "--devices", "8"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "zero2" in done.stdout
+
+
+def test_synthetic_tokens_hold_any_vocabulary() -> None:
+    """Large-vocabulary shapes (the estimator's loss-buffer cases) train on synthetic tokens: ids above
+    32767 must survive storage (int16 wrapped them negative before)."""
+    from lightning_par.data.datamodules import SyntheticTokens, token_dtype
+
+    assert token_dtype(256) == torch.int16 and token_dtype(32769) == torch.int32 and token_dtype(2**40) == torch.int64
+    data = SyntheticTokens(n_samples=64, seq_len=16, vocab_size=50304)
+    data.setup()
+    x, y = data.train_set[0]
+    assert x.dtype == torch.long and int(x.min()) >= 0 and int(torch.stack([data.train_set[i][0] for i in range(60)]).max()) > 32767

@@ -108,3 +108,23 @@ def test_zero3_offload_matches_the_offload_row(model_facts):
     assert len(memory) == 2  # one entry per rank: the loop below checks every one
     for m in memory:
         _within(m["offloaded"], exp.offloaded, 0.01 * exp.offloaded + 4 * model_facts["tensors"], "offloaded")
+
+
+def test_cuda_peak_is_read_before_teardown(monkeypatch):
+    """The allocator's peak is taken in on_train_end, while the module is still on its GPU: Lightning's
+    teardown (before on_fit_end) moves single/DDP modules back to the CPU. Simulated: no GPU here."""
+    from types import SimpleNamespace
+
+    from lightning_par.callbacks.memory import MemoryMonitor
+
+    peaks = iter([123_456, 999_999])  # a later read would see the second value
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
+    module = torch.nn.Linear(4, 4)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), optimizers=[],
+                              global_rank=0, global_step=0)
+    cb = MemoryMonitor()
+    cb.on_train_end(trainer, module)
+    trainer.strategy.root_device = torch.device("cpu")  # what teardown leaves behind
+    cb.on_fit_end(trainer, module)
+    (mine,) = cb.summary()["memory"]
+    assert mine["peak_allocated"] == 123_456 and mine["params"] == 4 * 20
