@@ -12,6 +12,8 @@ Reads every ``summary.json`` under SWEEP_DIR (the run summary, see the README) a
   state), one bar group per run and one bar per rank; bytes kept in host memory by offload are a
   part of those and are drawn hatched over the stack;
 - ``speed.png``: step time and throughput of every run;
+- ``comm.png``: collective payload bytes per optimizer step of every run (summary key ``comm``),
+  stacked by kind (all-reduce, all-gather, ...), see docs/communication.md;
 - ``loss.png``: the loss curves of all runs overlaid;
 - ``bubble.png`` (pipeline runs only): measured bubble fraction against the number of
   micro-batches, with the theory curve (p-1)/(m+p-1) for each pipeline depth p.
@@ -214,7 +216,13 @@ def fmt_model_states(summary: dict[str, Any]) -> str:
 
 
 TABLE_COLUMNS = ("job", "strategy", "world size", "mesh", "params", "precision", "global batch", "final loss",
-                 "step time (ms)", "samples/s", "tokens/s", "MFU", "model states per rank")
+                 "step time (ms)", "samples/s", "tokens/s", "MFU", "model states per rank", "comm per step")
+
+
+def comm_total(summary: dict[str, Any]) -> int | None:
+    """Collective payload bytes per optimizer step (the busiest rank's entries), or None."""
+    comm = summary.get("comm")
+    return _num(comm.get("total_bytes_per_step")) if isinstance(comm, dict) else None
 
 
 def table_row(run: Run) -> list[str]:
@@ -222,7 +230,7 @@ def table_row(run: Run) -> list[str]:
     return [run.job, str(s.get("strategy", "-")), str(s.get("world_size", "-")), fmt_mesh(s.get("mesh")),
             fmt_count(s.get("n_params")), str(s.get("precision", "-")), str(s.get("global_batch_size") or "-"),
             fmt_float(s.get("final_loss")), fmt_ms(s.get("step_time_s")), fmt_rate(s.get("samples_per_s")),
-            fmt_rate(s.get("tokens_per_s")), fmt_pct(s.get("mfu")), fmt_model_states(s)]
+            fmt_rate(s.get("tokens_per_s")), fmt_pct(s.get("mfu")), fmt_model_states(s), fmt_bytes(comm_total(s))]
 
 
 def _md_cell(text: str) -> str:
@@ -242,7 +250,8 @@ def render_markdown(sweep_dir: str | Path, runs: Sequence[Run], failures: Sequen
     if runs:
         out += ["## Runs", "", markdown_table(TABLE_COLUMNS, (table_row(r) for r in runs)), "",
                 "Step time: median wall time of an optimizer step after warm-up. Model states per rank: "
-                "params + grads + optimizer state held by each rank (local shards).", ""]
+                "params + grads + optimizer state held by each rank (local shards). Comm per step: collective "
+                "payload bytes per optimizer step (summary `comm`, docs/communication.md).", ""]
         points = varying_overrides(runs, failures)
         if any(points.get(r.job) for r in runs):
             out += ["Sweep points:", ""]
@@ -397,6 +406,33 @@ def plot_speed(runs: Sequence[Run], out: Path) -> str | None:
     return _save(fig, out / "speed.png")
 
 
+def plot_comm(runs: Sequence[Run], out: Path) -> str | None:
+    """Bar per run: collective payload bytes per step, stacked by kind (summary key ``comm``)."""
+    data = [r for r in runs if comm_total(r.summary) is not None]
+    if not data:
+        return None
+    plt = _pyplot()
+    per_kind = [{k: sum(ax.values()) for k, ax in (r.summary["comm"].get("bytes_per_step") or {}).items()}
+                for r in data]
+    kinds = list(dict.fromkeys(k for d in per_kind for k in d))
+    scale, unit = _byte_unit(max([comm_total(r.summary) or 0 for r in data] + [1]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(data) + 3), 4.2))
+    xs = range(len(data))
+    bottom = [0.0] * len(data)
+    for i, kind in enumerate(kinds):
+        vals = [d.get(kind, 0) / scale for d in per_kind]
+        ax.bar(xs, vals, bottom=bottom, label=kind.replace("_", "-"), color=plt.get_cmap("tab10")(i % 10))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(list(xs), [r.label for r in data], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(f"payload per step ({unit})")
+    ax.set_title("Communication per optimizer step (busiest rank)")
+    if kinds:
+        ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, out / "comm.png")
+
+
 def plot_losses(runs: Sequence[Run], out: Path) -> str | None:
     data = [(r, [_num(v) for v in r.summary.get("losses") or []]) for r in runs
             if isinstance(r.summary.get("losses"), list)]
@@ -465,7 +501,7 @@ def plot_bubble(runs: Sequence[Run], out: Path) -> str | None:
 
 
 PLOTS = (("Memory per rank", plot_memory), ("Step time and throughput", plot_speed), ("Loss curves", plot_losses),
-         ("Pipeline bubble", plot_bubble))
+         ("Pipeline bubble", plot_bubble), ("Communication per step", plot_comm))
 
 
 def build_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, list[Run], list[Failure]]:

@@ -126,3 +126,18 @@ def test_collectives_benchmark_refuses_bad_input(capsys):
     assert main(["--ops", "all_reduce,allgather"]) == 2
     assert capsys.readouterr().err.strip() == "error: unknown op 'allgather' (choose from all_reduce, all_gather, " \
                                               "reduce_scatter, all_to_all, broadcast)"
+
+
+def test_sweep_report_shows_comm(tmp_path):
+    from lightning_par.report import build_report
+
+    for i, s in enumerate([long_parity()["ddp"], long_parity()["zero3"]]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "summary.json").write_text(json.dumps(s))
+    report, runs, _ = build_report(tmp_path)
+    md = report.read_text()
+    assert "comm per step" in md and "](comm.png)" in md
+    assert (tmp_path / "comm.png").read_bytes().startswith(b"\x89PNG")
+    ddp = 4 * runs[0].summary["n_params"]
+    from lightning_par.report import fmt_bytes
+    assert f"| {fmt_bytes(ddp)} |" in md and f"| {fmt_bytes(3 * ddp)} |" in md
