@@ -5,6 +5,8 @@ sequence, batch, tile counts; ``trainer.max_steps`` added) -- every other word i
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import shlex
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.advisor import Cluster, advise
+from lightning_par.advisor import Cluster, advise, main
 from lightning_par.costs.activations import Shape
 from lightning_par.estimate import GIB, model_shape
 
@@ -31,10 +33,11 @@ CASES = {
 
 
 def advisor(args: list[str]) -> str:
-    done = subprocess.run([sys.executable, "-m", "lightning_par.advisor", *args], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    """What ``python -m lightning_par.advisor ARGS`` prints (its ``main``, in this process: one torch import)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(args)
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_never_recommends_a_plan_that_does_not_fit():
     # 7B on one 8 GiB device, 16 x 2048 tokens without checkpointing: even offloaded, activations do not fit
     done = subprocess.run([sys.executable, "-m", "lightning_par.advisor", "--model", "gpt_7b", "--devices-per-node",
                            "1", "--device-memory", "8", "--micro-batch-size", "16", "--no-checkpointing"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120)  # the real CLI: its exit code
     assert done.returncode == 2 and "nothing fits" in done.stdout and "python run.py" not in done.stdout
 
 
@@ -122,12 +125,12 @@ def scaled(command: str, devices: int) -> list[str]:
     return out + ["trainer.max_steps=2", "trainer.limit_val_batches=0", "callbacks=none"]
 
 
-TILED_BLOCKS_BUG = pytest.mark.xfail(strict=True, reason="tiling of block linears under zero3_offload fails at "
+TILED_BLOCKS_BUG = pytest.mark.xfail(strict=True, reason="tiling of block linears together with strategy.activation_checkpointing=true fails at "
                                      "materialisation (KeyError 'net.blocks.1.mlp.proj.tiles.0', parallel/tiling.py)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,devices", [("125m-one-24gb", 1), ("10b-8x80", 2), ("70b-4-nodes-slow", 4),
+@pytest.mark.parametrize("case,devices", [("125m-one-24gb", 1), ("7b-8x80", 2), ("10b-8x80", 2), ("70b-4-nodes-slow", 4),
                                           pytest.param("largest-layer-beyond-a-device", 2, marks=TILED_BLOCKS_BUG)])
 def test_printed_command_runs_scaled_down(case, devices, answers, tmp_path: Path):
     (command,) = [ln.strip() for ln in answers[case].splitlines() if ln.strip().startswith("python run.py ")]
