@@ -74,6 +74,7 @@ class MemoryEstimate:
     peak: int = 0
     moment: str = ""
     mesh: dict[str, int] = field(default_factory=dict)
+    micro_batch_size: int | None = None
 
     @property
     def total(self) -> int:
@@ -129,7 +130,7 @@ def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-
         r = step_peak(shape, lay, micro_batch_size=micro_batch_size, precision=precision, optimizer=optimizer,
                       checkpointing=checkpointing, device=device)
         return MemoryEstimate(lay.strategy, r.params, r.grads, r.optimizer_state, r.offloaded, r.activations,
-                              r.transient, r.peak, r.moment, dict(lay.mesh))
+                              r.transient, r.peak, r.moment, dict(lay.mesh), micro_batch_size)
     return _states_only(int(n_params), lay, precision, optimizer, device)
 
 
@@ -171,17 +172,19 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
     p, g, k = bytes_per_param(precision, optimizer)
     lines = [f"Memory per rank in {unit}: Ψ = {int(n_params):,} params, N = {devices}, {precision} "
              f"({p:g}+{g:g}+{k:g} bytes/param), {optimizer}, "
-             + (f"micro-batch {micro_batch_size} x {shape.seq_len} tokens on {device}"
+             + (f"micro-batches of {shape.seq_len} tokens on {device}"
                 + (", checkpointing" if checkpointing else "") if shape
-                else "activations not estimated (no model shape)")]
+                else "activations not estimated (no model shape)")
+             + "; peak = the step's largest moment (costs/peak.py), not the columns' sum"]
     widths = [max(len(c), 9) for c in COLUMNS]
-    header = f"{'strategy':<24}" + "".join(f"  {c:>{w}}" for c, w in zip(COLUMNS, widths))
+    header = f"{'strategy':<24}{'micro':>6}" + "".join(f"  {c:>{w}}" for c, w in zip(COLUMNS, widths))
     if device_memory is not None:
         header += f"  fits {device_memory:g} {unit}"
     lines += [header, "-" * len(header)]
     for r in rows:
         d = r.as_dict()
-        line = f"{_row_name(r):<24}" + "".join(f"  {d[c] / scale:>{w}.3f}" for c, w in zip(COLUMNS, widths))
+        micro = r.micro_batch_size if r.micro_batch_size is not None else (micro_batch_size if shape else "-")
+        line = f"{_row_name(r):<24}{micro:>6}" + "".join(f"  {d[c] / scale:>{w}.3f}" for c, w in zip(COLUMNS, widths))
         if device_memory is not None:
             line += "  yes" if r.peak <= device_memory * scale else "  NO"
         lines.append(line)
@@ -261,12 +264,14 @@ def run_estimate(cfg: Any) -> str:
         family = [s for s in STRATEGIES if s != name] if n > 1 else []
         for row in family:  # the data-parallel family: dp = N (single: one device)
             dp = 1 if row == "single" else n
+            row_micro = max(1, gbs // (dp * accumulate))
             if gbs % (dp * accumulate):
-                notes.append(f"note: {row} skipped: data.global_batch_size={gbs} does not split over {dp} ranks")
-                continue
-            rows.append(estimate(model, strategy=row, micro_batch_size=gbs // (dp * accumulate), **kw))
-        rows.append(estimate(model, strategy=name, micro_batch_size=micro,
-                             layout_=strategy_layout(name, strategy, dims, tiling), **kw))
+                notes = [f"note: data.global_batch_size={gbs} does not split over {dp} ranks x {accumulate}; the "
+                         f"data-parallel rows assume a micro-batch of {row_micro}"]
+            rows.append(replace(estimate(model, strategy=row, micro_batch_size=row_micro, **kw),
+                                micro_batch_size=row_micro))
+        rows.append(replace(estimate(model, strategy=name, micro_batch_size=micro,
+                                     layout_=strategy_layout(name, strategy, dims, tiling), **kw), micro_batch_size=micro))
         rows.sort(key=lambda r: list(SHARDING).index(r.strategy))
         table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
                                                    unit=str(opts.get("unit", "GiB")), micro_batch_size=micro, **kw)])
@@ -277,23 +282,11 @@ def run_estimate(cfg: Any) -> str:
     record = {"world_size": n, "strategy": name, "mesh": dims.sizes(), "precision": precision,
               "optimizer": optimizer, "micro_batch_size": micro, "checkpointing": checkpointing, "device": device, "seq_len": shape.seq_len if shape else None,
               "n_params": model if isinstance(model, int) else model.units()["total"],
-              "strategies": [{**r.as_dict(), "micro_batch_size": m} for r, m in zip(rows, _micro_of(rows, gbs, accumulate))]}
+              "strategies": [r.as_dict() for r in rows]}
     with open(os.path.join(out_dir, "estimate.json"), "w") as f:
         json.dump(record, f, indent=2)
     print(table)
     return table
-
-
-def _micro_of(rows: list[MemoryEstimate], gbs: int, accumulate: int) -> list[int]:
-    """Each row's per-rank micro-batch: the global batch over its data-parallel ranks."""
-    dp = lambda m: m.get("dp_replicate", 1) * m.get("dp_shard", 1)  # noqa: E731
-    return [facts_micro(gbs, dp(r.mesh), accumulate) for r in rows]
-
-
-def facts_micro(gbs: int, dp: int, accumulate: int) -> int:
-    from lightning_par.facts import micro_batch_size
-
-    return micro_batch_size(gbs, dp, accumulate)
 
 
 def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
