@@ -176,3 +176,13 @@ def test_synthetic_tokens_hold_any_vocabulary() -> None:
     data.setup()
     x, y = data.train_set[0]
     assert x.dtype == torch.long and int(x.min()) >= 0 and int(torch.stack([data.train_set[i][0] for i in range(60)]).max()) > 32767
+
+
+def test_selective_recomputation_drops_only_the_attention_core() -> None:
+    kw = dict(devices=1, strategy="single", precision="32-true", micro_batch_size=2)
+    math = Shape(2, 32, 2, 256, 128, dropout=0.1)  # CPU with dropout: the math path's s x s tensors
+    act = {c: estimate(math, checkpointing=c, device="cpu", **kw).activations for c in (False, "selective", True)}
+    assert act[True] < act["selective"] < act[False]
+    fused = Shape(2, 32, 2, 256, 128)  # flash keeps no s x s tensor: nothing to recompute
+    assert estimate(fused, checkpointing="selective", device="cpu", **kw).activations == \
+        estimate(fused, checkpointing=False, device="cpu", **kw).activations

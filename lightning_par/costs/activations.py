@@ -126,8 +126,11 @@ def attention_kernel(shape: Shape, device: str = "cuda") -> str:
 
 
 def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda", tp: int = 1,
-                          sequence_parallel: bool = False) -> float:
-    """Bytes one transformer layer saves for backward, per token (weight copies excluded)."""
+                          sequence_parallel: bool = False, selective: bool = False) -> float:
+    """Bytes one transformer layer saves for backward, per token (weight copies excluded).
+    ``selective``: Korthikanti et al.'s selective recomputation -- the attention core (softmax,
+    dropout, scores) is recomputed, so the math path's s x s tensors are not kept (the fused kernels
+    keep none anyway)."""
     c, r, _ = dtypes(precision)
     h, a, m, s = shape.n_embd, shape.n_head, shape.mlp_ratio, shape.seq_len
     sp = tp if sequence_parallel else 1
@@ -136,7 +139,7 @@ def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda",
     split = c * h * (4 + 2 * m)  # q, k, v, attention out, fc out, GELU out
     if attention_kernel(shape, device) == "fused":
         split += 4 * a
-    else:
+    elif not selective:
         mask = 1 if device == "cuda" else c
         split += (2 * c + mask) * a * s
     masks = 0.0

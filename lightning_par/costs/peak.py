@@ -69,8 +69,9 @@ class Peak:
 
 
 def step_peak(shape: act.Shape, layout: Layout, *, micro_batch_size: int, precision: str, optimizer: str,
-              checkpointing: bool = False, device: str = "cuda") -> Peak:
-    """Predicted per-rank bytes (the rank that holds the most: pipeline first or last stage)."""
+              checkpointing: bool | str = False, device: str = "cuda") -> Peak:
+    """Predicted per-rank bytes (the rank that holds the most: pipeline first or last stage).
+    ``checkpointing``: False, True / ``"full"`` (every block keeps its input only) or ``"selective"``."""
     stages = ("first", "last") if layout.pp > 1 else ("all",)
     return max((_stage_peak(shape, layout, role, micro_batch_size, precision, optimizer, checkpointing, device)
                 for role in stages), key=lambda r: r.peak)
@@ -104,7 +105,10 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
         host, params, opt, grads_steady = int(params + opt + grads_steady), 0, 0, 0
 
     # activations per micro-batch
-    lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel)
+    selective = ckpt == "selective"  # recompute the attention core only; True / "full": whole blocks
+    ckpt = bool(ckpt) and not selective
+    lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel,
+                                   selective=selective)
     # a tiled linear is checkpointed tile by tile (parallel/parallelize.py): one tile's weight copy at a time
     tiled = {k: v for k, v in lay.tiling.items() if ".blocks." in f".{k}"}
     names = {"block." + k.split(".blocks.", 1)[1].split(".", 1)[1]: v for k, v in tiled.items()}
