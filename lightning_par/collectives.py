@@ -1,6 +1,6 @@
 """Collectives benchmark in the spirit of nccl-tests: time, algorithm and bus bandwidth per size.
 
-    python -m lightning_par.collectives --ranks 2 --min 1K --max 16M        (gloo on CPU)
+    python -m lightning_par.collectives --ranks 2                            (gloo on CPU, 1K..64M)
     python -m lightning_par.collectives --ranks 8 --max 256M --backend nccl (one GPU per rank)
 
 Spawns ``--ranks`` processes itself (one node), runs all-reduce, all-gather, reduce-scatter,
@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                     help="auto: nccl when CUDA is available, else gloo")
     ap.add_argument("--min", dest="lo", type=parse_size, default=parse_size("1K"), help="smallest size (1K)")
-    ap.add_argument("--max", dest="hi", type=parse_size, default=parse_size("16M"),
-                    help="largest size (16M; up to 256M or more on a GPU)")
+    ap.add_argument("--max", dest="hi", type=parse_size, default=parse_size("64M"),
+                    help="largest size (64M; --max 256M for the full nccl-tests range)")
     ap.add_argument("--factor", type=int, default=4, help="size multiplier between steps (4)")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     ap.add_argument("--iters", type=int, default=10, help="timed calls per size (10)")

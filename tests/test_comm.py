@@ -4,7 +4,8 @@ benchmark runs at 2 ranks on gloo.
 
 The data-parallel runs are the sweeps ``test_e2e_sharded.py`` already runs (2 ranks: the 60-step
 parity sweep; 4 ranks: ddp ... hsdp), so they cost nothing here when the suite runs together. One
-4-rank sweep of its own covers tensor_parallel, pipeline, fsdp_tp, 3d and zero3_offload, with
+4-rank sweep of its own (4 heads, so that tp=4 divides them) covers tensor_parallel, pipeline, fsdp_tp,
+3d and zero3_offload, with
 RunGuard agreeing on its flags every step so that its all-reduce falls inside the measured steps
 and must be reported apart. fp32 (Ψ·4 bytes per gradient), gpt_tiny, gloo on CPU.
 
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ALL = ("single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp", "pipeline", "tensor_parallel",
        "fsdp_tp", "3d")
-MODEL_PARALLEL_4 = ("strategy=tensor_parallel,pipeline,fsdp_tp,3d,zero3_offload", "trainer.devices=4",
+MODEL_PARALLEL_4 = ("strategy=tensor_parallel,pipeline,fsdp_tp,3d,zero3_offload", "trainer.devices=4", "+model.n_head=4",
                     "trainer.max_steps=4", "callbacks.guard.check_every_n_steps=1")
 
 
