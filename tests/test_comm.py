@@ -142,3 +142,28 @@ def test_sweep_report_shows_comm(tmp_path):
     ddp = 4 * runs[0].summary["n_params"]
     from lightning_par.report import fmt_bytes
     assert f"| {fmt_bytes(ddp)} |" in md and f"| {fmt_bytes(3 * ddp)} |" in md
+
+
+def test_comm_model_layouts_and_refusals():
+    from lightning_par.comm_model import bus_factor, predicted_seconds, total_bytes
+
+    shape = CommShape(layers=4, hidden=8, seq=4, micro_batch=2, vocab=16)
+    a = shape.activation_bytes(4)
+    # zbv places stages r and 2p-1-r on rank r: the middle boundary stays on rank p-1 and costs nothing
+    zbv = step_comm_bytes("pipeline", n_params=100, mesh={"pp": 2}, shape=shape, micro_batches=2, schedule="zbv",
+                          virtual_stages=2)
+    loop = step_comm_bytes("pipeline", n_params=100, mesh={"pp": 2}, shape=shape, micro_batches=2,
+                           schedule="interleaved_1f1b", virtual_stages=2)
+    assert zbv["send"]["pp"] == 2 * 2 * a and loop["send"]["pp"] == 3 * 2 * a
+    assert step_comm_bytes("zero2", n_params=10, mesh={"dp_shard": 4})["all_gather"]["dp_shard"] == 12 * 4  # padded
+    assert step_comm_bytes("fsdp", n_params=10, mesh={"dp_shard": 2}, reshard_after_forward=False)["all_gather"] \
+        == {"dp_shard": 40}
+    assert step_comm_bytes("ddp", n_params=10, mesh={"dp_replicate": 1}) == {}
+    assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_gather", 4) == 0.75
+    ddp = step_comm_bytes("ddp", n_params=10**9, mesh={"dp_replicate": 8}, dtype_bytes=2)
+    assert total_bytes(ddp) == 2 * 10**9
+    assert predicted_seconds(ddp, {"dp_replicate": 8}, {"dp_replicate": 100.0}) == pytest.approx(2e9 * 1.75 / 1e11)
+    for bad in (dict(strategy="tensor_parallel"), dict(strategy="ring_attention"),
+                dict(strategy="tensor_parallel", shape=shape, sequence_parallel=True)):
+        with pytest.raises(ValueError, match="comm_model"):
+            step_comm_bytes(n_params=10, mesh={"tp": 2}, **bad)
