@@ -135,17 +135,20 @@ class CommMonitor(L.Callback):
     """Counts collective payload per training step over ``measure_steps`` batches after ``warmup_steps``.
 
     Args:
-        warmup_steps: optimizer steps left out first (lazy initialisation, shape exchange).
+        warmup_steps: optimizer steps left out first (lazy initialisation and pipeline shape exchange in
+            step 0, DDP's bucket rebuild -- a broadcast of bucket indices -- in step 1). Every op
+            of a measured step goes through Python, so measure inside the throughput monitor's warm-up.
         measure_steps: steps measured; their mean is reported (fewer when the run is shorter).
     """
 
-    def __init__(self, warmup_steps: int = 2, measure_steps: int = 2) -> None:
+    def __init__(self, warmup_steps: int = 2, measure_steps: int = 1) -> None:
         self.warmup_steps = warmup_steps
         self.measure_steps = measure_steps
         self._mode: _Recorder | None = None
         self._recorded: list[_Recorder] = []
         self._steps: list[int] = []
         self._axes: dict[tuple[int, ...], str] = {}
+        self._step_at_start = -1
         self.result: dict[str, Any] | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -167,10 +170,16 @@ class CommMonitor(L.Callback):
             self._steps.append(self._step_at_start)
             self._mode = None
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _drop_partial(self) -> None:
         if self._mode is not None:  # a run that ended inside a measured window: drop the partial step
             self._mode.__exit__(None, None, None)
             self._mode = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._drop_partial()  # never leave the mode on after a failed step
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._drop_partial()
         local = self._local_figures()
         ranks = [local]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
