@@ -120,14 +120,45 @@ def multi_tensor_flags(params: list[torch.Tensor], cls: type) -> dict[str, bool]
 def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if cfg.name == "adamw8bit":
-        from torchao.optim import AdamW8bit
-
-        return AdamW8bit(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        return _adamw8bit_class()(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                                **multi_tensor_flags(params, torch.optim.SGD))
     cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
     return cls(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, **multi_tensor_flags(params, cls))
+
+
+def _adamw8bit_class() -> type:
+    """torchao's ``AdamW8bit`` whose ``step`` also runs while a Python dispatch mode is active.
+
+    torchao compiles its per-parameter update with ``torch.compile(fullgraph=True)``, and Dynamo
+    refuses to trace under a user ``TorchDispatchMode`` (e.g. a callback that counts a few steps'
+    collectives or FLOPs): the step would fail with "found no compiled frames". The update is local
+    arithmetic on this rank's tensors (no collective), so it runs with those modes suspended (the
+    closure, Lightning's forward and backward, still runs under them);
+    torch offers no public API for that, hence the private ``_disable_current_modes``.
+    """
+    global _ADAMW8BIT
+    if _ADAMW8BIT is None:
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torchao.optim import AdamW8bit
+
+        class LPAdamW8bit(AdamW8bit):
+            def step(self, closure=None):  # noqa: ANN001, D102
+                loss = None
+                if closure is not None:  # Lightning's forward/backward: under the modes, as usual
+                    with torch.enable_grad():
+                        loss = closure()
+                with _disable_current_modes():
+                    super().step()
+                return loss
+
+        LPAdamW8bit.__name__ = LPAdamW8bit.__qualname__ = "AdamW8bit"
+        _ADAMW8BIT = LPAdamW8bit
+    return _ADAMW8BIT
+
+
+_ADAMW8BIT: type | None = None
 
 
 def lr_factor(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
