@@ -25,6 +25,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 METHOD = ("TorchDispatchMode over c10d and _c10d_functional ops (CommDebugMode's mechanism, with payload "
@@ -83,8 +84,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ for t in types):
-            return NotImplemented  # let a subclass (DTensor) desugar into functional collectives first
+        if any(issubclass(t, DTensor) for t in types):
+            # let DTensor desugar into functional collectives first (they come back here); any other
+            # subclass (FakeTensor in DTensor's sharding propagation, Parameter) just runs below
+            return NotImplemented
         out = func(*args, **kwargs)
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "c10d" and name in _C10D:
