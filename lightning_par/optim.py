@@ -91,21 +91,6 @@ def scaled_lr(lr: float, global_batch: int, rule: str = "none", base_batch: int 
     return lr * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
-def state_bytes_per_param(optimizer: str) -> float:
-    """Optimizer-state bytes per fp32 parameter: Adam/AdamW m and v (8); SGD's momentum buffer (4);
-    torchao's AdamW8bit m and v as uint8 codes plus one fp32 scale per 256-element block
-    (2 x (1 + 4/256)). AdamW8bit keeps tensors under 4096 elements (and sizes not a multiple of
-    256) in fp32 and one 256-entry code map per quantised tensor: negligible in real models."""
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; choose from: {', '.join(OPTIMIZERS)}")
-    return {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "adamw8bit": 2 * (1 + 4 / 256)}[optimizer]
-
-
-def optimizer_state_bytes(n_params: float, optimizer: str) -> int:
-    """Bytes of optimizer state for ``n_params`` parameters (e.g. one rank's shard)."""
-    return int(round(n_params * state_bytes_per_param(optimizer)))
-
-
 def multi_tensor_flags(params: list[torch.Tensor], cls: type) -> dict[str, bool]:
     """``fused=True`` when every parameter is a floating CUDA tensor (torch's fused kernels), else
     ``foreach=True`` (the multi-tensor path, which also runs on CPU and on DTensors)."""

@@ -17,6 +17,7 @@ from lightning_par import ConfigError
 from lightning_par.batch_size import GiB, accumulation_for, run_try, search
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.timeout(900)  # one search: a handful of 2-rank training jobs in a row
 JOB = ["experiment=quick", "data.seq_len=128", "strategy=zero3", "trainer.devices=2"]
 
 
