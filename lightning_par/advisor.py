@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from lightning_par import comm_model
 from lightning_par.costs.activations import Shape
-from lightning_par.estimate import GIB, MemoryEstimate, estimate, layout
+from lightning_par.estimate import GIB, MemoryEstimate, bytes_per_param, estimate, layout
 
 TILES = (2, 4, 8, 16, 32, 64)
 
@@ -126,7 +126,8 @@ def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, mic
     u = shape.units()
     cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro,
                                   shape.vocab_size, shape.mlp_ratio, shape.block_size, shape.bias)
-    dtype = 2 if kw["precision"] != "32-true" else 4
+    # gradients and gathered parameters travel in the parameters' dtype (fp32 under autocast's bf16-mixed)
+    dtype = int(bytes_per_param(kw["precision"], kw["optimizer"])[1])
     try:
         comm = comm_model.step_comm_bytes(strategy, n_params=u["total"], mesh=mesh, dtype_bytes=dtype, shape=cshape,
                                           micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule)
