@@ -10,8 +10,9 @@ mechanism of ``torch.distributed.tensor.debug.CommDebugMode``; it is not used di
 it keeps only call counts (no payload bytes, no process group) and ignores send/recv.
 
 Payload is the full logical tensor of each collective (``comm_model.py``'s definition); every
-call's process group is mapped to the mesh axis with the same ranks (``world`` if none). Calls
-made by lightning_par's own callbacks (RunGuard's flag all-reduce) and by Lightning's logging are
+call's process group is mapped to the mesh axis with the same ranks (``world`` if none). RunGuard
+runs after this callback (``train.with_guard`` puts it last), so its flag all-reduce falls outside
+the measured window; calls inside it made from lightning_par's callbacks or Lightning's logging are
 counted apart, under ``bookkeeping``. Summary key ``comm``: bytes per step by kind and axis (each
 entry the largest over ranks), each rank's figures, call counts, the steps measured and the method.
 """
