@@ -45,6 +45,7 @@ def test_accumulation_keeps_the_global_batch():
         accumulation_for(10, 4, 8)
 
 
+@pytest.mark.slow
 def test_cpu_needs_a_cap(tmp_path):
     proc = run_cli(["mode=find_batch_size", *JOB], tmp_path, timeout=120, check=False)
     assert proc.returncode == 2 and "needs find_batch_size.max_memory_gb" in proc.stderr

@@ -84,11 +84,13 @@ def _sharded_inner_flags(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_sharded_optimizers_keep_the_multi_tensor_path():
     for result in run_distributed(_sharded_inner_flags, 2, timeout=120):
         assert result == {"zero1": True, "zero2": True, "fsdp": True}, result
 
 
+@pytest.mark.slow
 def test_warmup_cosine_logs_warmup_then_decay(tmp_path):
     run_cli([*QUICK, "scheduler=warmup_cosine", "scheduler.warmup_steps=4", "scheduler.min_lr_ratio=0.1",
              "trainer.log_every_n_steps=1"], tmp_path, timeout=240)

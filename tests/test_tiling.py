@@ -45,6 +45,7 @@ def test_bad_tiling_is_one_line():
         check_tiling({"net.head.lm_head": 2}, {"head.lm_head": "output"})
 
 
+@pytest.mark.slow
 def test_tiled_fsdp_matches_untiled_single(tmp_path):
     ref = train_summary(QUICK, tmp_path / "single")
     got = train_summary([*QUICK, "strategy=fsdp", "trainer.devices=2", "+strategy.tiling={net.head.lm_head:4}"],
@@ -81,6 +82,7 @@ def _gathered(rank: int, world: int, tiles: int) -> dict:
     return {"units": largest_units(model), "peak": peak[0]}
 
 
+@pytest.mark.slow
 def test_each_tile_is_a_unit_and_the_gathered_peak_shrinks():
     head = 4096 * 64 * 4  # bytes of the untiled LM head
     untiled = run_distributed(_gathered, 2, 0, timeout=120)[0]
