@@ -140,3 +140,18 @@ def test_adamw8bit_state_bytes_match_the_estimate(adamw8bit_runs, strategy):
         assert r["optimizer_state"] == pytest.approx(expected, rel=0.05), (strategy, r, expected)
         # and far below fp32 AdamW's 8 bytes per parameter: the quantised storage is what is counted
         assert r["optimizer_state"] < 0.3 * optimizer_state_bytes(per_rank, "adamw")
+
+
+def test_data_loader_options_follow_the_device():
+    from lightning_par.data import SyntheticTokens
+
+    cpu = SyntheticTokens(num_workers=2).loader_options()  # no trainer: CPU
+    assert cpu == {"num_workers": 2, "pin_memory": False, "persistent_workers": True, "prefetch_factor": 2}
+    assert SyntheticTokens().loader_options() == {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
+    explicit = SyntheticTokens(num_workers=1, pin_memory=True, persistent_workers=False, prefetch_factor=4)
+    assert explicit.loader_options() == {"num_workers": 1, "pin_memory": True, "persistent_workers": False,
+                                         "prefetch_factor": 4}
+    with pytest.raises(ConfigError, match="persistent_workers=true needs data.num_workers > 0"):
+        SyntheticTokens(persistent_workers=True)
+    with pytest.raises(ConfigError, match="prefetch_factor=4 needs num_workers > 0"):
+        SyntheticTokens(prefetch_factor=4)

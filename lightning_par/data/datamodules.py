@@ -69,6 +69,8 @@ class ParDataModule(L.LightningDataModule):
         if num_workers < 0 or (prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1)):
             raise ConfigError(f"data: num_workers={num_workers} must be >= 0, and prefetch_factor={prefetch_factor} "
                               "needs num_workers > 0 and is at least 1")
+        if persistent_workers and num_workers == 0:
+            raise ConfigError("data.persistent_workers=true needs data.num_workers > 0")
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
@@ -111,8 +113,6 @@ class ParDataModule(L.LightningDataModule):
                                                            is not None else self.num_workers > 0))
         if self.num_workers > 0:
             options["prefetch_factor"] = self.prefetch_factor or 2  # torch's default
-        elif options["persistent_workers"]:
-            raise ConfigError("data.persistent_workers=true needs data.num_workers > 0")
         return options
 
     def train_dataloader(self) -> DataLoader:
