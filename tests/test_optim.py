@@ -155,3 +155,20 @@ def test_data_loader_options_follow_the_device():
         SyntheticTokens(persistent_workers=True)
     with pytest.raises(ConfigError, match="prefetch_factor=4 needs num_workers > 0"):
         SyntheticTokens(prefetch_factor=4)
+
+
+@pytest.mark.parametrize("name", ["constant", "warmup_cosine", "warmup_linear"])
+def test_scheduler_yaml_composes_and_builds(name):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_par.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[f"scheduler={name}"])
+    from lightning_par.optim import schedule_config
+
+    schedule = schedule_config(cfg.scheduler)
+    assert schedule.name == name
+    opt = build_optimizer(nn.Linear(2, 2).parameters(), OptimizerConfig())
+    sched = build_scheduler(opt, schedule, total_steps=100)
+    assert (sched is None) == (name == "constant")
