@@ -142,7 +142,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from lightning_par.optim import apply_schedule
 
     apply_schedule(model, cfg.get("scheduler"), cfg.data.get("global_batch_size"))  # LR schedule, scaling
-    set_tiling(strategy, tiling)
+    set_tiling(strategy, tiling, model)  # checked against the meta model, before any process starts
     return dict(strategy=strategy, model=model, datamodule=datamodule, callbacks=callbacks, logger=logger)
 
 

@@ -41,6 +41,11 @@ def test_bad_tiling_is_one_line():
         apply_tiling(model, {"1": 2})
     with pytest.raises(ConfigError, match="has no module 'head'"):
         apply_tiling(model, {"head": 2})
+    from lightning_par.parallel.tiling import set_tiling
+    from lightning_par.strategies import SingleDeviceStrategy
+
+    with pytest.raises(ConfigError, match="4 tiles must be >= 2 and divide out_features=6"):
+        set_tiling(SingleDeviceStrategy(), {"0": 4}, model)  # the app's check, before processes start
     with pytest.raises(ConfigError, match="also split by tensor parallelism"):
         check_tiling({"net.head.lm_head": 2}, {"head.lm_head": "output"})
 

@@ -64,17 +64,25 @@ class TiledLinear(nn.Module):
         return out
 
 
+def tileable(model: nn.Module, path: str, tiles: int) -> nn.Linear:
+    """The ``nn.Linear`` at ``path`` if it can be cut into ``tiles`` row blocks; else one line."""
+    try:
+        layer = model.get_submodule(path)
+    except AttributeError:
+        raise ConfigError(f"tiling: {type(model).__name__} has no module {path!r}") from None
+    if not isinstance(layer, nn.Linear):
+        raise ConfigError(f"tiling: {path} is a {type(layer).__name__}; only nn.Linear layers can be tiled")
+    if tiles < 2 or layer.out_features % tiles:
+        raise ConfigError(f"tiling: {tiles} tiles must be >= 2 and divide out_features={layer.out_features}")
+    return layer
+
+
 def apply_tiling(model: nn.Module, tiling: Mapping[str, int]) -> list[str]:
     """Replace each ``nn.Linear`` named in ``tiling`` (path in ``model`` -> tile count) by a
     ``TiledLinear``; returns the tile paths (in model order), which become FSDP units."""
     paths = []
     for path, k in tiling.items():
-        try:
-            layer = model.get_submodule(path)
-        except AttributeError:
-            raise ConfigError(f"tiling: {type(model).__name__} has no module {path!r}") from None
-        if not isinstance(layer, nn.Linear):
-            raise ConfigError(f"tiling: {path} is a {type(layer).__name__}; only nn.Linear layers can be tiled")
+        layer = tileable(model, path, int(k))
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, name, TiledLinear(layer, int(k)))
         paths += [f"{path}.tiles.{i}" for i in range(int(k))]
@@ -140,11 +148,15 @@ def pop_tiling(strategy_cfg: object) -> tuple[object, dict[str, int]]:
     return rest, check_tiling(tiling)  # type: ignore[arg-type]
 
 
-def set_tiling(strategy: object, tiling: dict[str, int]) -> None:
-    """Hand the ``tiling`` option to a lightning_par strategy (read by ``prepare_model``)."""
+def set_tiling(strategy: object, tiling: dict[str, int], model: nn.Module | None = None) -> None:
+    """Hand the ``tiling`` option to a lightning_par strategy (read by ``prepare_model``), after
+    checking it against ``model`` (built on the meta device) so that a wrong path or tile count is
+    one line before any process starts."""
     from lightning_par.strategies.base import ParStrategyMixin
 
     if tiling and not isinstance(strategy, ParStrategyMixin):
         raise ConfigError(f"strategy.tiling needs a lightning_par strategy, not {type(strategy).__name__}")
+    for path, k in (tiling.items() if model is not None else ()):
+        tileable(model, path, k)
     if isinstance(strategy, ParStrategyMixin):
         strategy.tiling = tiling
