@@ -136,7 +136,10 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
         if spec.activation_checkpointing:                                                # 4. checkpointing
             if spec.own_checkpointing is None or not spec.own_checkpointing(stage):
                 apply_activation_checkpointing(stage, blocks=blocks)
-        apply_activation_checkpointing(stage, blocks=stage_tiles)  # tiles: always (their point is memory)
+        # tiles: always checkpointed (their point is memory), unless a checkpointed block already holds them
+        held = blocks if spec.activation_checkpointing else []
+        apply_activation_checkpointing(stage, blocks=[t for t in stage_tiles
+                                                      if not any(t.startswith(b + ".") for b in held)])
         if spec.compile:                                                                 # 5. compile
             for path in blocks:
                 stage.get_submodule(path).compile(**spec.compile_kwargs)
@@ -149,8 +152,9 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
             units = blocks if fs.units is None else resolve_units(stage, fs.units if isinstance(fs.units, (str, int))
                                                                   else list(fs.units))
             if stage_tiles:  # each tile a unit of its own (nested units are sharded first), in model order
-                order = {name: i for i, (name, _) in enumerate(stage.named_modules())}
-                units = sorted({*units, *stage_tiles}, key=order.__getitem__)
+                # by identity: checkpoint wrappers (step 4) renamed the modules below a wrapped block
+                order = {id(m): i for i, m in enumerate(stage.modules())}
+                units = sorted({*units, *stage_tiles}, key=lambda path: order[id(stage.get_submodule(path))])
             apply_fsdp(stage, mesh=fs.mesh, units=units, reshard_after_forward=fs.reshard_after_forward,
                        param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
                        prefetch=fs.prefetch)
