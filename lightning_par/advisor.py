@@ -9,7 +9,9 @@ advisor never recommends one that does not (it says so and exits non-zero instea
 
 The decision tree (the field's standard notes):
 
-1. the whole step fits one device -> ``single`` (one device) or ``ddp``;
+1. the whole step fits one device -> ``single`` (one device) or ``ddp``; on one device the next try
+   is 8-bit optimizer states (``model.optimizer=adamw8bit``, torchao's AdamW8bit: 2 bytes of state
+   per parameter instead of 8) before anything is offloaded;
 2. else the least sharding that fits: ``zero1`` -> ``zero2`` -> ``fsdp`` (ZeRO-3), then ``hsdp``
    (shard within a node) and the model-parallel cuts ``fsdp_tp`` (TP within a node) and ``3d``
    (TP within nodes, pipeline stages across nodes). On several nodes with slow links the fitting
@@ -60,6 +62,7 @@ class Candidate:
     def label(self) -> str:
         extra = [o.split("=", 1)[1] for o in self.overrides if o.startswith(("strategy.tp=", "strategy.pp="))]
         return self.strategy + (" tiled" if any("tiling" in o for o in self.overrides) else "") + (
+            " 8-bit" if "model.optimizer=adamw8bit" in self.overrides else "") + (
             f" ({'x'.join(extra)})" if extra else "")
 
 
@@ -150,6 +153,10 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
     dpn, nodes, n = cluster.devices_per_node, cluster.nodes, cluster.devices
     c = lambda s, o=(), **lay: _candidate(s, shape, cluster, budget, micro_batch_size, kw, [*o, *ckpt], **lay)  # noqa: E731
     order = [c("single")] if n == 1 else [c("ddp"), c("zero1"), c("zero2"), c("fsdp")]
+    if n == 1 and optimizer in ("adamw", "adam"):  # fit before distributing: 8-bit states, then offload
+        kw8 = {**kw, "optimizer": "adamw8bit"}
+        order += [_candidate("single", shape, cluster, budget, micro_batch_size, kw8,
+                             ["model.optimizer=adamw8bit", *ckpt])]
     if n > 1 and nodes > 1:
         order += [c("hsdp", [f"strategy.replicate={nodes}"], replicate=nodes)]
     if n > 1 and dpn > 1:
@@ -184,6 +191,9 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
         if best.strategy not in ("single", "ddp", "zero3_offload"):
             reasons.append(f"{best.label} is the least sharding that fits ({gib(best.memory.peak)} per device at its "
                            "peak): each further stage adds communication")
+        elif "model.optimizer=adamw8bit" in best.overrides:
+            reasons.append(f"with 8-bit AdamW states (torchao AdamW8bit) the step fits one device "
+                           f"({gib(best.memory.peak)} at its peak): no sharding or offload needed")
         elif best.strategy == "zero3_offload" and not any("tiling" in o for o in best.overrides):
             reasons.append(f"only ZeRO-3 with the states in host memory fits ({gib(best.memory.peak)} on the device)")
     return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,

@@ -27,6 +27,9 @@ CASES = {
     "10b-8x80": (["--params", "10e9", "--layers", "40", "--hidden", "4608", "--vocab", "32000"], "fsdp"),
     "70b-4-nodes-slow": (["--params", "70e9", "--layers", "80", "--hidden", "8192", "--vocab", "32000", "--nodes", "4",
                           "--inter-node-gbs", "3"], "3d"),
+    # 24.1 GiB at its peak with AdamW's fp32 states; the seeds' next step on one device is 8-bit states
+    "1.5b-one-24gb-8bit": (["--params", "1.5e9", "--layers", "28", "--hidden", "2048", "--devices-per-node", "1",
+                            "--device-memory", "24"], "single"),
     "largest-layer-beyond-a-device": (["--params", "87e9", "--layers", "2", "--hidden", "8192", "--mlp-ratio", "320",
                                        "--vocab", "32000", "--seq-len", "2048"], "zero3_offload"),
 }
@@ -126,7 +129,8 @@ def scaled(command: str, devices: int) -> list[str]:
 
 
 @pytest.mark.parametrize("case,devices", [("125m-one-24gb", 1), ("7b-8x80", 2), ("10b-8x80", 2),
-                                          ("70b-4-nodes-slow", 4), ("largest-layer-beyond-a-device", 2)])
+                                          ("70b-4-nodes-slow", 4), ("largest-layer-beyond-a-device", 2),
+                                          ("1.5b-one-24gb-8bit", 1)])
 def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answers, tmp_path: Path):
     """Every printed command, scaled down, builds and passes ``train.validate`` (names, mesh, batch split)
     in this process -- what a run checks before any process starts. Two of them also run (below)."""
@@ -152,3 +156,13 @@ def test_printed_command_runs_scaled_down(case, devices, answers, tmp_path: Path
     done = subprocess.run([sys.executable, "run.py", *args], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, f"{args}\n{done.stderr[-3000:]}"
+
+
+def test_one_device_tries_8bit_states_before_offload(answers):
+    """AdamW's states do not fit one 24 GB device, 8-bit states do: single with adamw8bit, not offload."""
+    out = answers["1.5b-one-24gb-8bit"]
+    table = {ln.split()[0] + (" 8-bit" if " 8-bit " in ln else ""): ln.split() for ln in out.splitlines()
+             if ln.startswith(("single", "zero3_offload"))}
+    assert table["single"][-3] == "NO" and table["single 8-bit"][-3] == "yes", out
+    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
+    assert "strategy=single" in command and "model.optimizer=adamw8bit" in command, command
