@@ -164,6 +164,7 @@ def _params_per_rank(ep: int) -> int:
     return 4 * (cfg.n_params - cfg.n_expert_params + cfg.n_expert_params // ep)
 
 
+@pytest.mark.slow
 def test_expert_parallel_two_ranks_matches_single():
     runs = two()
     s, ref = runs["expert_parallel"], runs["single"]
@@ -174,6 +175,7 @@ def test_expert_parallel_two_ranks_matches_single():
     assert [m["params"] for m in ref["memory"]] == [_params_per_rank(1)]
 
 
+@pytest.mark.slow
 def test_ep_times_fsdp_four_ranks_matches_single():
     (s,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
                  "strategy.data_parallel=fsdp")
@@ -185,6 +187,7 @@ def test_ep_times_fsdp_four_ranks_matches_single():
     assert 4 * ref["n_params"] <= sum(held) <= 1.01 * 4 * ref["n_params"], held
 
 
+@pytest.mark.slow
 def test_single_checkpoint_resumes_under_ep_four_ranks():
     """Single's step-2 checkpoint, continued for 10 steps with the experts over 4 ranks (ep=4)."""
     (s,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", f"ckpt_path={_checkpoint('single', 2)}")
@@ -195,6 +198,7 @@ def test_single_checkpoint_resumes_under_ep_four_ranks():
     assert [m["params"] for m in s["memory"]] == [_params_per_rank(4)] * 4
 
 
+@pytest.mark.slow
 def test_expert_parallel_checkpoint_resumes_under_single():
     ckpt = _checkpoint("expert_parallel", 6)
     (s,) = sweep(*SGD, "strategy=single", f"ckpt_path={ckpt}")

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.models.gpt import MLP, CausalSelfAttention, Embedding, GPTConfig, Head
+from lightning_par.models.gpt import MLP, Block, Embedding, GPTConfig, Head
 from lightning_par.parallel.contract import ParallelPlan
 
 GATINGS = ("softmax", "sigmoid")
@@ -235,19 +235,11 @@ class MoE(nn.Module):
         return out + self.shared(x) if self.shared is not None else out
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(Block):
     """The GPT block with its MLP replaced by ``MoE`` (``moe=True``) or kept (``moe=False``)."""
 
     def __init__(self, cfg: MoEConfig, moe: bool) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MoE(cfg) if moe else MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        super().__init__(cfg, mlp=MoE(cfg) if moe else None)
 
 
 class MoEGPT(nn.Module):
