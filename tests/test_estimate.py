@@ -87,13 +87,6 @@ def test_byte_layouts_and_8bit_state() -> None:
         estimate(1000, devices=2, strategy="zero4")
 
 
-def test_state_bytes_agree_with_the_optimizer_factory() -> None:
-    from lightning_par.optim import state_bytes_per_param
-
-    for name in ("adamw", "adam", "sgd", "adamw8bit"):
-        assert bytes_per_param("32-true", name)[2] == pytest.approx(state_bytes_per_param(name))
-
-
 def test_pipeline_in_flight_and_tp_sharding() -> None:
     assert in_flight_micro_batches("gpipe", 4, 16) == 16 and in_flight_micro_batches("1f1b", 4, 16) == 4
     assert in_flight_micro_batches("interleaved_1f1b", 4, 16, 2) == pytest.approx(4 * (1 + 3 / 8))
