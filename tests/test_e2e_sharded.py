@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.timeout(900)
 
 SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 _CACHE: dict[tuple[str, ...], Path] = {}
+_NUMBER = itertools.count()
 _DIR = Path(tempfile.mkdtemp(prefix="lp_sharded_"))
 atexit.register(shutil.rmtree, _DIR, True)
 
@@ -72,7 +74,7 @@ def sweep_dir(*args: str, timeout: float = 900) -> Path:
     for attempt in range(2):
         if key in _CACHE:
             break
-        out = _DIR / f"sweep{len(_CACHE)}-{attempt}"
+        out = _DIR / f"sweep{next(_NUMBER)}-{attempt}"  # never the directory of an earlier, failed sweep"
         log = _DIR / f"{out.name}.log"
         rc = _run_group([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *args, f"hydra.sweep.dir={out}"],
                         log, timeout)

@@ -128,6 +128,10 @@ class ParStrategyMixin:
         resolved = resolve_plan(module)
         self.model_facts = {"n_params": sum(p.numel() for p in module.parameters()), "units_rule": resolved.units_rule,
                             "plan_source": resolved.source}
+        if self.compile:
+            # a fresh Dynamo cache per model: in a sweep's later job (same process) graphs compiled for the
+            # previous job's layout were reused for a tensor-parallel one and failed on its local shapes
+            torch._dynamo.reset()
         seed = int(self.broadcast(torch.initial_seed() % (1 << 31)))  # one seed: the same weights on every rank
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
                           activation_checkpointing=self.activation_checkpointing,
