@@ -112,3 +112,13 @@ def _hydra_choices() -> dict[str, str]:
 
 
 __all__ = ["WandbLogger", "build_loggers", "log_run_config", "run_config"]
+
+
+def logs_this_step(trainer: Any) -> bool:
+    """Whether the trainer's loggers write on this step (every ``log_every_n_steps``).
+
+    Per-step values that only the loggers read are worth computing and ``self.log``-ing only then:
+    each ``log`` call runs Lightning's result bookkeeping. Lightning has no public accessor; its own ``LearningRateMonitor`` and ``ThroughputMonitor`` read this property.
+    """
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))

@@ -35,6 +35,7 @@ import torch
 from lightning.fabric.utilities.throughput import measure_flops
 
 from lightning_par.devices import peak_flops_per_device
+from lightning_par.loggers import logs_this_step
 
 _DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
@@ -152,7 +153,7 @@ class ThroughputMonitor(L.Callback):
             metrics["perf/samples_per_s"] = self.global_batch_size / dt
         if self.flops_per_step and self.peak_flops_per_rank:
             metrics["perf/mfu"] = self.flops_per_step / dt / (self.peak_flops_per_rank * self.world_size)
-        if log:
+        if log and logs_this_step(pl_module.trainer):  # the loggers write on_step values on these steps only
             pl_module.log_dict(metrics, rank_zero_only=True)
 
     def summary(self) -> dict[str, Any]:

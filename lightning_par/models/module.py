@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_par import ConfigError
 from lightning_par.models.cnn import CNN
+from lightning_par.loggers import logs_this_step
 from lightning_par.models.gpt import GPT, PRESETS, GPTConfig
 from lightning_par.models.mlp import MLPNet
 from lightning_par.optim import (OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, schedule_config,
@@ -108,8 +109,9 @@ class ParModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # the LR of this step, logged at the trainer's logging interval (a Python float: no device sync)
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        # the LR of this step (a Python float: no device sync), only on the steps the loggers write
+        if logs_this_step(self.trainer):
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
 
     def parallel_plan(self) -> ParallelPlan:
         net = self.net if self.net is not None else self.build_net(device="meta")
