@@ -51,7 +51,8 @@ SHARDING: dict[str, tuple[bool, bool, str, bool] | None] = {
     "pipeline": (False, False, "accumulate", False),
     "fsdp_tp": (True, True, "fsdp", False),
     "3d": (True, True, "fsdp", False),  # data_parallel=replicate: accumulate (see ``layout``)
-    "expert_parallel": None,  # MoE models: the estimator has no MoE activation model (refused, one line)
+    # MoE models: experts over ep; data_parallel=replicate: the rest replicated (see ``layout``)
+    "expert_parallel": (True, True, "fsdp", False),
 }
 #: strategy class -> config group name (what ``mode=estimate`` reads from the built strategy)
 _BY_CLASS = {"SingleDeviceStrategy": "single", "DDPStrategy": "ddp", "Zero1Strategy": "zero1",
@@ -90,9 +91,12 @@ class MemoryEstimate:
 
 
 def layout(strategy: str, devices: int, *, tp: int | None = None, pp: int | None = None, replicate: int = 1,
-           data_parallel: str = "fsdp", **options: Any) -> Layout:
+           data_parallel: str = "fsdp", ep: int | None = None, **options: Any) -> Layout:
     """The ``Layout`` of a strategy on ``devices`` ranks. ``tp``/``pp`` as the mesh strategies take them
-    (None: the defaults of their configs); ``options``: further ``Layout`` fields."""
+    (None: the defaults of their configs); ``ep``: expert_parallel's degree (None: every rank);
+    ``options``: further ``Layout`` fields."""
+    if strategy == "expert_parallel":
+        return _expert_parallel_layout(devices, ep or devices, data_parallel, **options)
     check(strategy, tuple(SHARDING), "strategy")
     declared = SHARDING[strategy]
     if declared is None:
@@ -114,6 +118,22 @@ def layout(strategy: str, devices: int, *, tp: int | None = None, pp: int | None
                   mesh=mesh, **options)
 
 
+def _expert_parallel_layout(devices: int, ep: int, data_parallel: str, **options: Any) -> Layout:
+    """``strategy=expert_parallel``: the routed experts split over ``ep`` ranks; the rest replicated
+    (``replicate``: gradients all-reduced after backward) or, with ``fsdp``, the non-expert
+    parameters sharded over the whole world and the experts' own shards over dp = world / ep
+    (strategies/expert_parallel.py)."""
+    if ep < 1 or devices % ep:
+        raise ValueError(f"expert_parallel: ep={ep} does not divide the world size {devices}")
+    dp = devices // ep
+    if data_parallel == "fsdp":
+        return Layout(strategy="expert_parallel", shard=devices, params_sharded=True, opt_sharded=True, grads="fsdp",
+                      ep=ep, expert_shard=dp, mesh={k: v for k, v in (("dp_shard", dp), ("ep", ep)) if v > 1},
+                      **options)
+    return Layout(strategy="expert_parallel", grads="accumulate", ep=ep,
+                  mesh={k: v for k, v in (("dp_replicate", dp), ("ep", ep)) if v > 1}, **options)
+
+
 def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-mixed", optimizer: str = "adamw",
              shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool = False,
              device: str = "cuda", layout_: Layout | None = None, **layout_options: Any) -> MemoryEstimate:
@@ -131,6 +151,8 @@ def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-
                       checkpointing=checkpointing, device=device)
         return MemoryEstimate(lay.strategy, r.params, r.grads, r.optimizer_state, r.offloaded, r.activations,
                               r.transient, r.peak, r.moment, dict(lay.mesh), micro_batch_size)
+    if lay.ep > 1:
+        raise ValueError("expert parallelism needs the model's shape (which parameters are experts), not a bare count")
     return _states_only(int(n_params), lay, precision, optimizer, device)
 
 
@@ -195,7 +217,7 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
 
 
 def _row_name(r: MemoryEstimate) -> str:
-    mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items() if k in ("pp", "tp", "dp_replicate") and v > 1)
+    mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items() if k in ("pp", "tp", "dp_replicate", "ep") and v > 1)
     return f"{r.strategy} {mesh}".strip() if r.strategy not in STRATEGIES[:2] else r.strategy
 
 
@@ -213,13 +235,16 @@ def _resolve(model: Any, shape: Shape | None) -> tuple[int, Shape | None]:
 
 
 def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
-    """(parameter count, shape) of the GPT that ``model=<name>`` builds (the module, from its preset)."""
+    """(parameter count, shape) of the GPT or MoE decoder that ``model=<name>`` builds (its preset)."""
     from lightning_par.models.gpt import PRESETS
     from lightning_par.models.module import GPTModule
+    from lightning_par.models.moe import PRESETS as MOE_PRESETS
+    from lightning_par.models.moe_module import MoEModule
 
-    if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
-    shape = Shape.of(GPTModule(preset=name).config, seq_len)
+    if name not in PRESETS and name not in MOE_PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join([*PRESETS, *MOE_PRESETS])}")
+    module = GPTModule(preset=name) if name in PRESETS else MoEModule(preset=name)
+    shape = Shape.of(module.config, seq_len)
     return shape.units()["total"], shape
 
 
@@ -292,8 +317,8 @@ def run_estimate(cfg: Any) -> str:
 def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
     """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...)."""
     base = layout(name, dims.world_size, tp=dims.tp, pp=dims.pp, replicate=dims.dp_replicate if
-                  SHARDING[name] and SHARDING[name][2] == "fsdp" else 1,
-                  data_parallel=getattr(strategy, "data_parallel", "fsdp"))
+                  SHARDING[name] and SHARDING[name][2] == "fsdp" and name != "expert_parallel" else 1,
+                  data_parallel=getattr(strategy, "data_parallel", "fsdp"), ep=dims.ep)
     pd = getattr(strategy, "param_dtype", None)
     n_micro = getattr(strategy, "_n_microbatches", None)
     return replace(base, offload=base.offload or bool(getattr(strategy, "cpu_offload", False)),

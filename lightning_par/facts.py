@@ -111,14 +111,15 @@ def mesh_of(strategy: Any, world: int):
 
 
 def gpt_shape(model_cfg: Any, seq_len: int | None = None):
-    """The ``costs.activations.Shape`` of the GPT that ``model_cfg`` builds (None for other models)."""
+    """The ``costs.activations.Shape`` of the GPT or MoE decoder that ``model_cfg`` builds (None for
+    other models)."""
     from hydra.utils import instantiate
 
     from lightning_par.costs.activations import Shape
     from lightning_par.models.module import GPTModule
 
     target = str(model_cfg.get("_target_", ""))
-    if not target.endswith("GPTModule"):
+    if not target.endswith(("GPTModule", "MoEModule")):
         return None
     try:
         module = instantiate(model_cfg)  # builds no layers: GPTModule resolves its config only

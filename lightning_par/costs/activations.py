@@ -61,26 +61,56 @@ class Shape:
     dropout: float = 0.0
     bias: bool = True
     block_size: int | None = None  # the position table's size (None: seq_len)
+    # mixture of experts (models/moe.py's MoEConfig; n_experts == 0: a dense GPT)
+    n_experts: int = 0
+    top_k: int = 0
+    moe_every: int = 1
+    expert_hidden: int = 0  # one expert's inner size (0: mlp_ratio * n_embd)
+    shared_expert: bool = False
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Blocks whose MLP is a routed MoE layer (block i when (i + 1) % moe_every == 0)."""
+        return self.n_layer // self.moe_every if self.n_experts else 0
+
+    @property
+    def moe_hidden(self) -> int:
+        return self.expert_hidden or self.mlp_ratio * self.n_embd
 
     @classmethod
     def of(cls, config, seq_len: int | None = None) -> Shape:
         """From a ``GPTConfig`` (or anything with its fields); ``seq_len`` defaults to ``block_size``."""
+        n_experts = int(getattr(config, "n_experts", 0) or 0)
+        moe = dict(n_experts=n_experts, top_k=int(config.top_k), moe_every=int(config.moe_every),
+                   expert_hidden=int(config.expert_hidden or 0), shared_expert=bool(config.shared_expert)) \
+            if n_experts else {}
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size,
                    int(seq_len or getattr(config, "seq_len", None) or config.block_size),
                    getattr(config, "mlp_ratio", 4), float(getattr(config, "dropout", 0.0)), getattr(config, "bias", True),
-                   getattr(config, "block_size", None))
+                   getattr(config, "block_size", None), **moe)
 
-    def gpt_config(self):
+    def gpt_config(self, dense: bool = False):
+        """The model's config: a ``GPTConfig``, or a ``MoEConfig`` for an MoE shape (``dense``: the
+        GPT of the same dimensions, whose blocks are the MoE model's dense blocks)."""
         from lightning_par.models.gpt import GPTConfig
 
-        return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size or self.seq_len, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
-                         bias=self.bias)
+        fields = dict(vocab_size=self.vocab_size, block_size=self.block_size or self.seq_len, n_layer=self.n_layer,
+                      n_head=self.n_head, n_embd=self.n_embd, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
+                      bias=self.bias)
+        if not self.n_experts or dense:
+            return GPTConfig(**fields)
+        from lightning_par.models.moe import MoEConfig
+
+        return MoEConfig(**fields, n_experts=self.n_experts, top_k=self.top_k, moe_every=self.moe_every,
+                         expert_hidden=self.expert_hidden or None, shared_expert=self.shared_expert)
 
     def units(self) -> dict[str, int]:
         """Parameters of the model's parts, counted from the model built on the meta device:
         ``embed``, ``block`` (one), ``head``, ``lm_head``, ``block_matmul`` (weights a block
-        multiplies by), the largest ``nn.Linear`` of a block (``block_linear``) and ``total``."""
+        multiplies by), the largest ``nn.Linear`` of a block (``block_linear``) and ``total``.
+        MoE shapes add ``moe_block`` (one MoE block, experts included), ``moe_experts`` (its routed
+        experts, what expert parallelism divides by ep) and ``moe_matmul`` (its router and shared
+        expert); ``block`` stays a dense block."""
         return dict(_unit_params(self))
 
 
@@ -91,7 +121,7 @@ def _unit_params(shape: Shape) -> tuple[tuple[str, int], ...]:
 
     from lightning_par.models.gpt import GPT, GPTConfig
 
-    config = shape.gpt_config()
+    config = shape.gpt_config(dense=True)
     one = GPTConfig(**{**config.__dict__, "n_layer": 1})  # one block is every block
     with torch.device("meta"):
         net = GPT(one)
@@ -104,6 +134,18 @@ def _unit_params(shape: Shape) -> tuple[tuple[str, int], ...]:
              "block_matmul": sum(m.weight.numel() for m in linears),
              "block_linear": max(m.weight.numel() for m in linears)}
     units["total"] = units["embed"] + config.n_layer * units["block"] + units["head"]
+    if shape.n_experts:
+        from lightning_par.models.moe import MoE, MoEBlock
+
+        moe_config = shape.gpt_config()
+        with torch.device("meta"):
+            moe_block = MoEBlock(moe_config, moe=True)
+        layer = next(m for m in moe_block.modules() if isinstance(m, MoE))
+        units["moe_block"] = count(moe_block)
+        units["moe_experts"] = count(layer.experts)
+        units["moe_matmul"] = units["block_matmul"] - units["block.mlp.fc"] - units["block.mlp.proj"] + sum(
+            m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+        units["total"] += shape.n_moe_layers * (units["moe_block"] - units["block"])
     return tuple(units.items())
 
 
@@ -145,7 +187,33 @@ def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda",
     masks = 0.0
     if shape.dropout > 0:
         masks = 2 * h * (1 if device == "cuda" else c) / sp
+    if shape.n_moe_layers:  # the average layer: MoE layers keep more than the dense MLP they replace
+        split += shape.n_moe_layers / shape.n_layer * (moe_bytes_per_token(shape, precision) - 2 * c * m * h)
     return norms + whole + split / tp + masks
+
+
+def moe_bytes_per_token(shape: Shape, precision: str) -> float:
+    """What one routed MoE layer (models/moe.py) saves for backward per token, in place of the dense
+    MLP's fc and GELU outputs (its input, ln_2's output, is counted with the layer)::
+
+        k (3 c h + 2 c F + 36)   per assignment (k = top_k): the gathered token row, the expert's
+                                 output and its gated copy (c h each), the expert's inner activation
+                                 before and after GELU (c F each), the fp32 gate and three int64
+                                 indices (top-k choice, sort order, token of the row)
+        8 E + 4                  fp32 router logits (kept by the z-loss's logsumexp) and scores
+                                 (softmax / sigmoid output), the logsumexp
+        2 c m h                  the shared expert's fc and GELU outputs, when there is one
+
+    Counted with ``saved_tensors_hooks`` (within 0.3% on four layouts, fp32) and checked against
+    MemTracker's peak in tests/test_moe_costs.py. Under expert parallelism the same rows are kept by
+    the rank that runs their expert: per rank the figure holds for balanced routing (each rank
+    receives as many rows as it sends); a skewed router moves activation memory to the ranks of the
+    popular experts (the load balance of the run summary's ``moe`` says by how much).
+    """
+    c = dtypes(precision)[0]
+    k, h, f = shape.top_k, shape.n_embd, shape.moe_hidden
+    shared = 2 * c * shape.mlp_ratio * h if shape.shared_expert else 0
+    return k * (3 * c * h + 2 * c * f + 36) + 8 * shape.n_experts + 4 + shared
 
 
 def weight_copy_bytes(n_weights: int, precision: str, tp: int = 1) -> int:
@@ -178,7 +246,11 @@ def checkpoint_bytes_per_token(shape: Shape, precision: str, tp: int = 1, sequen
 def layer_backward_transient_per_token(shape: Shape, precision: str, tp: int = 1) -> float:
     """Gradients alive inside one block's backward: the MLP's inner gradient pair (fc out, GELU out)."""
     c = dtypes(precision)[0]
-    return 2 * c * shape.mlp_ratio * shape.n_embd / tp
+    dense = 2 * c * shape.mlp_ratio * shape.n_embd / tp
+    if not shape.n_moe_layers:
+        return dense
+    shared = dense if shape.shared_expert else 0
+    return max(dense, 2 * c * shape.top_k * shape.moe_hidden + shared)  # an MoE layer: k expert rows per token
 
 
 def in_flight_micro_batches(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> float:

@@ -42,6 +42,8 @@ class Layout:
     offload: bool = False
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: each rank holds 1/ep of every MoE layer's routed experts
+    expert_shard: int | None = None  # ranks the experts' own states are sharded over (None: ``shard``)
     sequence_parallel: bool = False
     loss_parallel: bool = False
     schedule: str = "1f1b"
@@ -87,13 +89,15 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     n_micro = lay.n_microbatches or pp
     tokens = micro * shape.seq_len / (n_micro if pp > 1 else 1)  # one pipeline micro-batch
     in_flight = act.in_flight_micro_batches(lay.schedule, pp, n_micro, lay.virtual_stages) if role == "first" else 1
-    # parameters this stage holds, before data-parallel sharding (TP splits every matrix)
-    block = u["block"] / tp
+    # parameters this stage holds, before data-parallel sharding (TP splits every matrix; EP the experts)
+    dense_part, expert_part, block_unit = layer_params(shape, u, lay)
+    block = dense_part + expert_part  # the average layer
     embed = u["embed"] / tp if has_embed else 0
     head = u["head"] / tp if has_head else 0
     local = embed + layers * block + head
     shard = lay.shard if lay.params_sharded or lay.opt_sharded or lay.grads in ("zero2", "fsdp") else 1
-    psi_shard = -(-int(local) // shard)
+    experts = layers * expert_part  # sharded over their own data axis (expert parallelism x FSDP)
+    psi_shard = -(-int(local - experts) // shard) + -(-int(experts) // (lay.expert_shard or shard))
     params = p * (psi_shard if lay.params_sharded else local)
     opt_elems = psi_shard if lay.opt_sharded else int(local)
     opt = optimizer_state_bytes(opt_elems, optimizer, precision)
@@ -114,6 +118,9 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     names = {"block." + k.split(".blocks.", 1)[1].split(".", 1)[1]: v for k, v in tiled.items()}
     matmul = u["block_matmul"] - sum(u[n] for n in names if n in u) + max([u[n] / k for n, k in names.items()
                                                                             if n in u] or [0])
+    if shape.n_moe_layers:  # the average layer: an MoE layer multiplies by its router, shared expert and local experts
+        share = shape.n_moe_layers / shape.n_layer
+        matmul += share * (u["moe_matmul"] + u["moe_experts"] / lay.ep - u["block_matmul"])
     copies = act.weight_copy_bytes(int(matmul), precision, tp)
     keep = act.checkpoint_bytes_per_token(shape, precision, tp, lay.sequence_parallel) * tokens if ckpt \
         else lt * tokens + copies
@@ -124,10 +131,10 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
 
     # all-gathered parameters (FSDP): root unit kept from forward to backward + current and prefetched units
     gathered_root = gathered_unit = 0.0
-    unit_max = block
+    unit_max = block_unit
     if lay.grads == "fsdp":
         gb = lay.gather_bytes or p
-        root, unit_max = fsdp_units(u, lay, has_embed, has_head, block, embed, head)
+        root, unit_max = fsdp_units(u, lay, has_embed, has_head, block_unit, embed, head)
         gathered_root = gb * root
         gathered_unit = gb * unit_max * (1 + lay.prefetch)
         if shard == 1 and not lay.offload:
@@ -155,6 +162,22 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     moment = max(moments, key=moments.get)
     act_bytes = saved_all
     return Peak(int(params), int(grads_steady), int(opt), int(host), int(act_bytes), int(moments[moment]), moment)
+
+
+def layer_params(shape: act.Shape, u: dict, lay: Layout) -> tuple[float, float, float]:
+    """(dense parameters, routed-expert parameters) of the average layer on one rank, and the
+    largest layer: a dense GPT's layers are all ``block``; in an MoE model every ``moe_every``-th
+    block's MLP is the router, the routed experts (1/ep of them per rank under expert parallelism)
+    and an optional shared expert."""
+    tp = lay.tp
+    if not shape.n_moe_layers:
+        return u["block"] / tp, 0.0, u["block"] / tp
+    n, moe = shape.n_layer, shape.n_moe_layers
+    moe_dense = u["moe_block"] - u["moe_experts"]
+    experts = u["moe_experts"] / lay.ep
+    dense = ((n - moe) * u["block"] + moe * moe_dense) / n
+    largest = max(u["block"] if moe < n else 0, moe_dense + experts)
+    return dense / tp, moe * experts / n / tp, largest / tp
 
 
 def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: float, embed: float,

@@ -1,0 +1,131 @@
+"""The cost model on mixture-of-experts models (lightning_par/costs, estimate.py, advisor.py).
+
+Memory. One real training step (after a warm-up step that creates the optimizer state) of the MoE
+decoder (models/moe.py: routed experts, router, balance and z-losses, optional shared expert) is
+tracked by torch's ``MemTracker``; its peak must be within 15% of ``estimate(...).peak`` -- the same
+bound as the dense GPT's (tests/test_activation_memory.py). The shapes make the MoE terms matter:
+top-1 and top-2 routing, many small experts, a shared expert with sigmoid gating, MoE every other
+block, a capacity factor, fp32 and bf16 autocast.
+
+States. Expert parallelism divides the routed experts by ep and nothing else (replicate), or,
+with FSDP, spreads the non-expert states over the world and the experts' over dp = world / ep:
+checked against the parameter counts of the model built on the meta device.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from lightning_par.costs.activations import Shape
+from lightning_par.estimate import estimate, model_shape
+from lightning_par.models.moe import PRESETS, MoEConfig, MoEGPT
+from lightning_par.models.module import ParModule
+from lightning_par.optim import OptimizerConfig, build_optimizer
+
+pytestmark = pytest.mark.timeout(300)
+
+TOLERANCE = 0.15
+
+# MoEConfig fields, (batch, seq_len), precision
+CASES = {
+    "top2-fp32": (dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_experts=4, top_k=2), (4, 64), "32-true"),
+    "top1-many-experts-fp32": (dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_experts=16, top_k=1,
+                                    expert_hidden=128), (4, 64), "32-true"),
+    "shared-sigmoid-every-2nd-fp32": (dict(n_layer=4, n_head=2, n_embd=64, vocab_size=512, n_experts=8, top_k=2,
+                                           moe_every=2, shared_expert=True, gating="sigmoid"), (4, 64), "32-true"),
+    "top4-long-seq-fp32": (dict(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_experts=8, top_k=4,
+                                expert_hidden=64), (2, 256), "32-true"),
+    "capacity-bf16": (dict(n_layer=2, n_head=2, n_embd=64, vocab_size=2048, n_experts=4, top_k=2,
+                           capacity_factor=1.25), (4, 64), "bf16-mixed"),
+}
+
+
+def measured_peak(cfg: MoEConfig, batch: int, seq: int, precision: str) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    net = MoEGPT(cfg).train()
+    opt = build_optimizer(net.parameters(), OptimizerConfig("adamw", lr=1e-3))
+    x = torch.randint(0, cfg.vocab_size, (batch, seq))
+    y = torch.randint(0, cfg.vocab_size, (batch, seq))
+
+    def step() -> None:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+        with ctx:
+            loss = ParModule.loss_fn(net(x), y) + net.aux_loss()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(net, opt)
+    with tracker:
+        step()
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_peak_within_15_percent_of_memtracker(case):
+    fields, (batch, seq), precision = CASES[case]
+    cfg = MoEConfig(block_size=seq, **fields)
+    shape = Shape.of(cfg, seq)
+    est = estimate(shape, devices=1, strategy="single", precision=precision, optimizer="adamw",
+                   micro_batch_size=batch, device="cpu")
+    got = measured_peak(cfg, batch, seq, precision)
+    assert abs(est.peak - got) <= TOLERANCE * got, (
+        f"{case}: estimated peak {est.peak:,} B ({est.moment}), MemTracker {got:,} B, ratio {est.peak / got:.3f}")
+
+
+def test_the_moe_terms_are_what_moves_the_estimate():
+    """Without its MoE fields the same shape (a dense GPT) is estimated far off MemTracker's MoE peak:
+    the test above cannot pass on the dense model alone."""
+    fields, (batch, seq), precision = CASES["top4-long-seq-fp32"]
+    cfg = MoEConfig(block_size=seq, **fields)
+    moe = Shape.of(cfg, seq)
+    dense = Shape(moe.n_layer, moe.n_embd, moe.n_head, moe.vocab_size, seq)
+    kw = dict(devices=1, strategy="single", precision=precision, optimizer="adamw", micro_batch_size=batch,
+              device="cpu")
+    got = measured_peak(cfg, batch, seq, precision)
+    assert abs(estimate(dense, **kw).peak - got) > TOLERANCE * got
+
+
+def _states(shape: Shape, devices: int, **layout) -> int:
+    est = estimate(shape, devices=devices, strategy="expert_parallel", precision="32-true", optimizer="adamw",
+                   micro_batch_size=1, **layout)
+    return est.params
+
+
+@pytest.mark.parametrize("preset", ["moe_tiny", "moe_8x_top2", "moe_64x_top8"])
+def test_expert_parallel_divides_the_experts_by_ep(preset):
+    cfg = MoEConfig(**PRESETS[preset])
+    with torch.device("meta"):
+        net = MoEGPT(cfg)
+    experts = sum(p.numel() for n, p in net.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() for p in net.parameters()) - experts
+    _, shape = model_shape(preset)
+    n = 8 if cfg.n_experts % 8 == 0 else 4
+    for ep in (2, n):
+        # replicate: every rank holds all non-expert parameters and 1/ep of the experts (fp32: 4 bytes)
+        assert _states(shape, n, ep=ep, data_parallel="replicate") == pytest.approx(4 * (rest + experts / ep), rel=1e-6)
+        # fsdp: non-expert over the world, the experts' 1/ep over dp = n / ep: everything over n
+        assert _states(shape, n, ep=ep, data_parallel="fsdp") == pytest.approx(4 * (rest / n + experts / n), rel=1e-4)
+    ddp = estimate(shape, devices=n, strategy="ddp", precision="32-true", optimizer="adamw", micro_batch_size=1)
+    assert ddp.params == pytest.approx(4 * (rest + experts), rel=1e-6)  # data parallelism replicates the experts
+
+
+def test_estimate_mode_prices_expert_parallel(tmp_path):
+    import json
+
+    from tests.helpers import run_cli
+
+    run_cli(["mode=estimate", "model=moe_tiny", "strategy=expert_parallel", "strategy.data_parallel=fsdp",
+             "trainer.devices=4"], tmp_path, timeout=120)
+    record = json.loads((tmp_path / "estimate.json").read_text())
+    rows = {r["strategy"]: r for r in record["strategies"]}
+    assert record["mesh"] == {"ep": 4}
+    assert rows["expert_parallel"]["peak"] > 0 and rows["expert_parallel"]["mesh"] == {"ep": 4}
+    assert rows["expert_parallel"]["params"] < rows["ddp"]["params"]
