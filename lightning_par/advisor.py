@@ -20,6 +20,14 @@ The decision tree (the field's standard notes):
    (``zero3_offload``), and memory-centric tiling (``strategy.tiling``) of every linear whose FSDP
    unit does not fit; the embedding cannot be tiled, so a vocabulary too large for one device goes
    to tensor parallelism within a node.
+
+Mixture-of-experts models add expert parallelism (``expert_parallel``, ep = the largest divisor of
+the expert count within a node, the rest replicated or FSDP): when the step fits every device the
+experts are replicated (ddp: its all-reduce overlaps backward, the all-to-all of tokens would sit
+on every MoE layer's critical path); otherwise the fitting plan with the least predicted
+communication time wins -- expert parallelism trades the experts' all-reduce or all-gathers for an
+all-to-all of the routed tokens, which wins when the experts are large next to the tokens routed.
+The MoE decoder has no tensor-parallel plan, so fsdp_tp / 3d are not offered for it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_par import comm_model
 from lightning_par.costs.activations import Shape
@@ -60,10 +69,12 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        extra = [o.split("=", 1)[1] for o in self.overrides if o.startswith(("strategy.tp=", "strategy.pp="))]
+        extra = "x".join(o.split("=", 1)[1] for o in self.overrides if o.startswith(("strategy.tp=", "strategy.pp=")))
+        if self.strategy == "expert_parallel":  # e.g. "expert_parallel (ep8, fsdp)"
+            extra = ", ".join([f"ep{o.split('=', 1)[1]}" for o in self.overrides if o.startswith("strategy.ep=")] + [
+                o.split("=", 1)[1] for o in self.overrides if o.startswith("strategy.data_parallel=")])
         return self.strategy + (" tiled" if any("tiling" in o for o in self.overrides) else "") + (
-            " 8-bit" if "model.optimizer=adamw8bit" in self.overrides else "") + (
-            f" ({'x'.join(extra)})" if extra else "")
+            " 8-bit" if "model.optimizer=adamw8bit" in self.overrides else "") + (f" ({extra})" if extra else "")
 
 
 @dataclass
@@ -84,12 +95,12 @@ class Advice:
                          f"trainer.precision={self.precision}", *self.overrides])
 
     def table(self, budget: float) -> str:
-        head = (f"{'candidate':<26}{'peak GiB':>10}{'acts':>8}{'transient':>10}{'fits':>6}"
+        head = (f"{'candidate':<34}{'peak GiB':>10}{'acts':>8}{'transient':>10}{'fits':>6}"
                 f"{'comm GB/step':>14}{'comm s/step':>13}")
         lines = [head, "-" * len(head)]
         for c in self.candidates:
             m = c.memory
-            lines.append(f"{c.label:<26}{m.peak / GIB:>10.2f}{m.activations / GIB:>8.2f}{m.transient / GIB:>10.2f}"
+            lines.append(f"{c.label:<34}{m.peak / GIB:>10.2f}{m.activations / GIB:>8.2f}{m.transient / GIB:>10.2f}"
                          f"{'yes' if c.fits else 'NO':>6}{c.comm_bytes / 1e9:>14.2f}{c.comm_seconds:>13.3f}")
         return "\n".join(lines + [f"(fits: peak <= {budget / GIB:.1f} GiB usable)"])
 
@@ -112,6 +123,7 @@ def _axis_bandwidth(mesh: dict[str, int], cluster: Cluster) -> dict[str, float]:
     for axis in ("tp", "ep", "dp_shard", "dp_replicate", "pp"):  # innermost first (parallel/mesh.py)
         inner *= mesh.get(axis, 1)
         out[axis] = cluster.intra_node_gbs if inner <= cluster.devices_per_node else cluster.inter_node_gbs
+    out["world"] = cluster.intra_node_gbs if inner <= cluster.devices_per_node else cluster.inter_node_gbs
     return out
 
 
@@ -123,20 +135,23 @@ def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, mic
     except ValueError:
         return None
     mesh = lo.mesh
-    dp = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1)
+    dp = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1) * mesh.get("ep", 1)  # ep is a data axis too
     per_rank = micro * (lo.n_microbatches or lo.pp)  # a pipeline splits its batch into micro-batches of ``micro``
     mem = estimate(shape, devices=n, strategy=strategy, micro_batch_size=per_rank, layout_=lo, **kw)
     u = shape.units()
     cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro,
-                                  shape.vocab_size, shape.mlp_ratio, shape.block_size, shape.bias)
+                                  shape.vocab_size, shape.mlp_ratio, shape.block_size, shape.bias,
+                                  shape.n_moe_layers, shape.n_experts, shape.top_k)
+    experts = shape.n_moe_layers * u.get("moe_experts", 0)
     # gradients and gathered parameters travel in the parameters' dtype (fp32 under autocast's bf16-mixed)
     dtype = int(bytes_per_param(kw["precision"], kw["optimizer"])[1])
     try:
         comm = comm_model.step_comm_bytes(strategy, n_params=u["total"], mesh=mesh, dtype_bytes=dtype, shape=cshape,
-                                          micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule)
+                                          micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule,
+                                          expert_params=experts)
     except ValueError:
         comm = {}
-    seconds = comm_model.predicted_seconds(comm, mesh, _axis_bandwidth(mesh, cluster))
+    seconds = comm_model.predicted_seconds(comm, {**mesh, "world": n}, _axis_bandwidth(mesh, cluster))
     nodes = [f"trainer.devices={min(n, cluster.devices_per_node)}"] + (
         [f"trainer.num_nodes={cluster.nodes}"] if n > cluster.devices_per_node else [])
     return Candidate(strategy, nodes + overrides, mem, comm_model.total_bytes(comm), seconds, mem.peak <= budget,
@@ -159,7 +174,10 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
                              ["model.optimizer=adamw8bit", *ckpt])]
     if n > 1 and nodes > 1:
         order += [c("hsdp", [f"strategy.replicate={nodes}"], replicate=nodes)]
-    if n > 1 and dpn > 1:
+    moe = shape.n_moe_layers > 0
+    if n > 1 and moe:  # expert parallelism within a node, the rest data parallel (replicated or FSDP)
+        order += _expert_parallel_candidates(c, shape, cluster)
+    if n > 1 and dpn > 1 and not moe:  # the MoE decoder has no tensor-parallel plan and its aux losses need one stage
         order += [c("fsdp_tp", [f"strategy.tp={dpn}"], tp=dpn)]
         if nodes > 1:
             order += [c("3d", [f"strategy.tp={dpn}", f"strategy.pp={nodes}"], tp=dpn, pp=nodes)]
@@ -182,13 +200,20 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
     if not fitting:
         reasons.append("no candidate's predicted peak fits: add devices, lower the micro-batch or the sequence")
         return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, micro_batch_size), precision)
-    if slow and len(fitting) > 1:
+    if moe and len(fitting) > 1 and fitting[0].strategy not in ("single", "ddp"):
+        best = min(fitting, key=lambda x: x.comm_seconds)
+        reasons.append(_moe_reason(best, fitting, cands))
+    elif slow and len(fitting) > 1:
         best = min(fitting, key=lambda x: x.comm_seconds)
         reasons.append(f"links between nodes are slow ({cluster.inter_node_gbs:g} GB/s): of the plans that fit, "
                        f"{best.label} spends the least time communicating ({best.comm_seconds:.3f} s per step)")
     else:
         best = fitting[0]
-        if best.strategy not in ("single", "ddp", "zero3_offload"):
+        if moe and best.strategy == "ddp":
+            reasons.append("MoE model that fits every device: replicate the experts (ddp); its gradient all-reduce "
+                           "overlaps backward, while expert parallelism's all-to-all of the tokens sits on the "
+                           "critical path of every MoE layer")
+        elif best.strategy not in ("single", "ddp", "zero3_offload"):
             reasons.append(f"{best.label} is the least sharding that fits ({gib(best.memory.peak)} per device at its "
                            "peak): each further stage adds communication")
         elif "model.optimizer=adamw8bit" in best.overrides:
@@ -198,6 +223,36 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
             reasons.append(f"only ZeRO-3 with the states in host memory fits ({gib(best.memory.peak)} on the device)")
     return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,
                   model_overrides(shape, preset, best.global_batch), precision)
+
+
+def _expert_parallel_candidates(c: Any, shape: Shape, cluster: Cluster) -> list[Candidate | None]:
+    """expert_parallel with ep = the largest divisor of the expert count that fits in a node (its
+    all-to-all stays on the fast links), the rest of the model replicated or FSDP-sharded."""
+    n, dpn = cluster.devices, cluster.devices_per_node
+    ep = max(k for k in range(1, min(dpn, shape.n_experts) + 1) if shape.n_experts % k == 0 and n % k == 0)
+    if ep == 1:
+        return []
+    out = [c("expert_parallel", [f"strategy.ep={ep}", "strategy.data_parallel=replicate"], ep=ep,
+             data_parallel="replicate")]
+    if n > ep:
+        out.append(c("expert_parallel", [f"strategy.ep={ep}", "strategy.data_parallel=fsdp"], ep=ep,
+                     data_parallel="fsdp"))
+    return out
+
+
+def _moe_reason(best: Candidate, fitting: list[Candidate], cands: list[Candidate]) -> str:
+    """Why this plan for an MoE model: expert parallelism trades the experts' gradient all-reduce
+    (replication) or their all-gathers (FSDP) for an all-to-all of the routed tokens."""
+    gib = best.memory.peak / GIB
+    others = [x for x in fitting if x is not best]
+    alt = min(others, key=lambda x: x.comm_seconds)
+    what = ("spreads the experts over ranks and moves tokens to them (all-to-all) instead of replicating or "
+            "gathering expert weights" if best.strategy == "expert_parallel" else
+            "replicates or shards the experts like every other weight: at this size that costs less than "
+            "an all-to-all of the routed tokens")
+    return (f"MoE model: of the plans that fit, {best.label} {what}; it communicates {best.comm_bytes / 1e9:.2f} GB "
+            f"per step ({best.comm_seconds:.3f} s) against {alt.comm_bytes / 1e9:.2f} GB ({alt.comm_seconds:.3f} s) "
+            f"for {alt.label}, at a peak of {gib:.1f} GiB per device")
 
 
 def _tiled_offload(shape: Shape, cluster: Cluster, budget: float, micro: int, kw: dict, ckpt: list[str],

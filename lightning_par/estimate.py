@@ -127,6 +127,9 @@ def _expert_parallel_layout(devices: int, ep: int, data_parallel: str, **options
         raise ValueError(f"expert_parallel: ep={ep} does not divide the world size {devices}")
     dp = devices // ep
     if data_parallel == "fsdp":
+        if dp == 1 and devices > 1:
+            raise ValueError(f"expert_parallel: data_parallel=fsdp with ep={ep} on {devices} ranks leaves no data "
+                             "axis to shard the experts over")
         return Layout(strategy="expert_parallel", shard=devices, params_sharded=True, opt_sharded=True, grads="fsdp",
                       ep=ep, expert_shard=dp, mesh={k: v for k, v in (("dp_shard", dp), ("ep", ep)) if v > 1},
                       **options)

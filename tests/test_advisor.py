@@ -32,6 +32,10 @@ CASES = {
                             "--device-memory", "24"], "single"),
     "largest-layer-beyond-a-device": (["--params", "87e9", "--layers", "2", "--hidden", "8192", "--mlp-ratio", "320",
                                        "--vocab", "32000", "--seq-len", "2048"], "zero3_offload"),
+    # MoE (issue 14): a Mixtral-like 8-expert top-2 model (32.5B parameters, 30.1B of them experts) on two
+    # 8 x 80 GB nodes; and a small MoE that fits every device
+    "moe-8x-top2-2-nodes": (["--model", "moe_8x_top2", "--nodes", "2"], "expert_parallel"),
+    "moe-small-8x24": (["--model", "moe_small", "--device-memory", "24"], "ddp"),
 }
 
 
@@ -116,7 +120,7 @@ def scaled(command: str, devices: int) -> list[str]:
             value = SCALE[key]
         elif key == "trainer.devices":
             value = str(devices)
-        elif key in ("strategy.tp", "strategy.pp"):
+        elif key in ("strategy.tp", "strategy.pp", "strategy.ep"):
             value = "2" if int(value) > 1 else value
         elif key == "data.global_batch_size":
             value = "4"
@@ -130,7 +134,8 @@ def scaled(command: str, devices: int) -> list[str]:
 
 @pytest.mark.parametrize("case,devices", [("125m-one-24gb", 1), ("7b-8x80", 2), ("10b-8x80", 2),
                                           ("70b-4-nodes-slow", 4), ("largest-layer-beyond-a-device", 2),
-                                          ("1.5b-one-24gb-8bit", 1)])
+                                          ("1.5b-one-24gb-8bit", 1), ("moe-8x-top2-2-nodes", 4),
+                                          ("moe-small-8x24", 2)])
 def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answers, tmp_path: Path):
     """Every printed command, scaled down, builds and passes ``train.validate`` (names, mesh, batch split)
     in this process -- what a run checks before any process starts. Two of them also run (below)."""
@@ -147,10 +152,10 @@ def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answe
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,devices", [("70b-4-nodes-slow", 4),
-                                          ("largest-layer-beyond-a-device", 2)])
+                                          ("largest-layer-beyond-a-device", 2), ("moe-8x-top2-2-nodes", 4)])
 def test_printed_command_runs_scaled_down(case, devices, answers, tmp_path: Path):
-    """The two plans with the most machinery (3d: pipeline x TP x FSDP; ZeRO-3 offload with tiling) run
-    2 steps on CPU. (All five ran when this was written: 125M 30 s, 7B 41 s, 10B 42 s; trimmed for CI.)"""
+    """The three plans with the most machinery (3d: pipeline x TP x FSDP; ZeRO-3 offload with tiling;
+    expert parallelism x FSDP) run 2 steps on CPU. (All five ran when this was written: 125M 30 s, 7B 41 s, 10B 42 s; trimmed for CI.)"""
     (command,) = [ln.strip() for ln in answers[case].splitlines() if ln.strip().startswith("python run.py ")]
     args = scaled(command, devices) + [f"paths.output_dir={tmp_path}"]
     done = subprocess.run([sys.executable, "run.py", *args], capture_output=True, text=True, timeout=300,
@@ -166,3 +171,34 @@ def test_one_device_tries_8bit_states_before_offload(answers):
     assert table["single"][-3] == "NO" and table["single 8-bit"][-3] == "yes", out
     (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
     assert "strategy=single" in command and "model.optimizer=adamw8bit" in command, command
+
+
+def _table(out: str) -> dict[str, list[str]]:
+    """Candidate label -> its row's columns (peak, acts, transient, fits, comm GB, comm s) from the end."""
+    rows = {}
+    for ln in out.splitlines():
+        cols = ln.split()
+        if len(cols) >= 7 and cols[-3] in ("yes", "NO"):
+            rows[" ".join(cols[:-6])] = cols[-6:]
+    return rows
+
+
+def test_expert_parallel_beats_gathering_the_experts(answers):
+    """Mixtral-like on 16 GPUs: FSDP fits too, but all-gathers every expert twice a step; ep=8 within a
+    node with FSDP over the two nodes fits and predicts less communication time, and is chosen.
+    Replicating the experts (ddp, or EP with the rest replicated) does not fit."""
+    out = answers["moe-8x-top2-2-nodes"]
+    t = _table(out)
+    ep, fsdp = t["expert_parallel (ep8, fsdp)"], t["fsdp"]
+    assert ep[3] == "yes" and fsdp[3] == "yes" and t["ddp"][3] == "NO" and t["expert_parallel (ep8, replicate)"][3] == "NO"
+    assert float(ep[5]) < float(fsdp[5]) and float(ep[4]) < float(fsdp[4]), out
+    assert "strategy.ep=8 strategy.data_parallel=fsdp" in out
+
+
+def test_replicating_a_small_moe_beats_expert_parallel(answers):
+    """A small MoE fits every device, expert parallelism included (it is weighed): ddp is chosen, since
+    its all-reduce overlaps backward while the all-to-all sits on the critical path."""
+    out = answers["moe-small-8x24"]
+    t = _table(out)
+    assert t["ddp"][3] == "yes" and t["expert_parallel (ep8, replicate)"][3] == "yes", out
+    assert "all-to-all" in out

@@ -111,6 +111,10 @@ def test_expert_parallel_divides_the_experts_by_ep(preset):
     for ep in (2, n):
         # replicate: every rank holds all non-expert parameters and 1/ep of the experts (fp32: 4 bytes)
         assert _states(shape, n, ep=ep, data_parallel="replicate") == pytest.approx(4 * (rest + experts / ep), rel=1e-6)
+        if ep == n:  # fsdp needs a data axis beside ep to shard the experts over
+            with pytest.raises(ValueError, match="leaves no data axis"):
+                _states(shape, n, ep=ep, data_parallel="fsdp")
+            continue
         # fsdp: non-expert over the world, the experts' 1/ep over dp = n / ep: everything over n
         assert _states(shape, n, ep=ep, data_parallel="fsdp") == pytest.approx(4 * (rest / n + experts / n), rel=1e-4)
     ddp = estimate(shape, devices=n, strategy="ddp", precision="32-true", optimizer="adamw", micro_batch_size=1)
@@ -123,9 +127,52 @@ def test_estimate_mode_prices_expert_parallel(tmp_path):
     from tests.helpers import run_cli
 
     run_cli(["mode=estimate", "model=moe_tiny", "strategy=expert_parallel", "strategy.data_parallel=fsdp",
-             "trainer.devices=4"], tmp_path, timeout=120)
+             "strategy.ep=2", "trainer.devices=4"], tmp_path, timeout=120)
     record = json.loads((tmp_path / "estimate.json").read_text())
     rows = {r["strategy"]: r for r in record["strategies"]}
-    assert record["mesh"] == {"ep": 4}
-    assert rows["expert_parallel"]["peak"] > 0 and rows["expert_parallel"]["mesh"] == {"ep": 4}
-    assert rows["expert_parallel"]["params"] < rows["ddp"]["params"]
+    assert record["mesh"] == {"dp_shard": 2, "ep": 2}
+    ep = rows["expert_parallel"]
+    assert ep["peak"] > 0 and ep["mesh"] == {"dp_shard": 2, "ep": 2}
+    assert ep["params"] == pytest.approx(rows["fsdp"]["params"], rel=1e-3)  # both spread every state over 4 ranks
+    assert ep["params"] < rows["ddp"]["params"] / 3
+
+
+# ------------------------------------------------ against real runs (test_moe.py's shared multiruns)
+def _comm_and_states(s: dict, ep: int, data_parallel: str) -> None:
+    from lightning_par.comm_model import CommShape, step_comm_bytes
+
+    cfg = MoEConfig(**PRESETS["moe_tiny"])
+    world = s["world_size"]
+    seq = round(s["tokens_per_s"] / s["samples_per_s"])
+    micro = s["global_batch_size"] // world
+    shape = CommShape(cfg.n_layer, cfg.n_embd, seq, micro, cfg.vocab_size, moe_layers=cfg.n_moe_layers,
+                      n_experts=cfg.n_experts, top_k=cfg.top_k)
+    model = step_comm_bytes("expert_parallel", n_params=cfg.n_params, mesh=s["mesh"], shape=shape,
+                            expert_params=cfg.n_expert_params)
+    ranks = s["comm"]["per_rank"]
+    # dropless routing: each rank sends all its tokens x top_k rows, but receives what the router sends it,
+    # so one rank's all-to-all payload moves with the routing while the mean over the ep group is fixed
+    a2a = [r["bytes"]["all_to_all"]["ep"] for r in ranks]
+    assert sum(a2a) / len(a2a) == model["all_to_all"]["ep"], (a2a, model)
+    for r in ranks:  # the gradient collectives depend on no routing: every rank equals the model
+        assert {k: v for k, v in r["bytes"].items() if k != "all_to_all"} == \
+            {k: v for k, v in model.items() if k != "all_to_all"}, (r["bytes"], model)
+    _, mshape = model_shape("moe_tiny", seq)
+    est = estimate(mshape, devices=world, strategy="expert_parallel", ep=ep, data_parallel=data_parallel,
+                   precision="32-true", optimizer="sgd", micro_batch_size=micro, device="cpu")
+    held = [m["params"] for m in s["memory"]]
+    assert all(h == pytest.approx(est.params, rel=0.01) for h in held), (held, est.params)  # FSDP pads shards
+
+
+@pytest.mark.slow
+def test_expert_parallel_comm_and_states_match_the_models():
+    """ep=2 at 2 ranks (replicate) and ep=2 x FSDP at 4 ranks: the all-to-all, all-reduce, all-gather
+    and reduce-scatter bytes CommMonitor counted equal comm_model's; each rank's parameter bytes equal
+    the estimator's within FSDP's padding (1%)."""
+    from tests.test_moe import SGD, two
+    from tests.test_e2e_sharded import sweep
+
+    _comm_and_states(two()["expert_parallel"], 2, "replicate")
+    (four,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
+                    "strategy.data_parallel=fsdp")
+    _comm_and_states(four, 2, "fsdp")
