@@ -139,9 +139,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.make_block(i) for i in range(cfg.n_layer))
         self.head = Head(cfg)
         self.reset_parameters()
+
+    def make_block(self, layer: int) -> nn.Module:
+        """Block ``layer`` of the decoder (the MoE model overrides this to route some blocks' MLPs)."""
+        return Block(self.config)
 
     def reset_parameters(self) -> None:
         for module in self.modules():

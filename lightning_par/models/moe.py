@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.models.gpt import MLP, Block, Embedding, GPTConfig, Head
+from lightning_par.models.gpt import GPT, MLP, Block, GPTConfig
 from lightning_par.parallel.contract import ParallelPlan
 
 GATINGS = ("softmax", "sigmoid")
@@ -242,40 +242,22 @@ class MoEBlock(Block):
         super().__init__(cfg, mlp=MoE(cfg) if moe else None)
 
 
-class MoEGPT(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(MoEBlock(cfg, cfg.is_moe(i)) for i in range(cfg.n_layer))
-        self.head = Head(cfg)
-        self.reset_parameters()
+class MoEGPT(GPT):
+    """The GPT (embedding, blocks, head, init rule) with every ``moe_every``-th block's MLP routed."""
 
-    def reset_parameters(self) -> None:
-        for module in self.modules():
-            self.init_weights(module)
+    config: MoEConfig
+
+    def make_block(self, layer: int) -> nn.Module:
+        return MoEBlock(self.config, self.config.is_moe(layer))
 
     def init_weights(self, module: nn.Module) -> None:
-        """The GPT's rule (normal(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)); expert
-        weights: w1 like an MLP's fc, w2 like its (residual) proj."""
-        std = 0.02
-        if isinstance(module, nn.LayerNorm):
-            module.reset_parameters()
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            if getattr(module, "residual_projection", False):
-                std = std / math.sqrt(2 * self.config.n_layer)
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, Experts):
+        """The GPT's rule; the stacked expert weights like an MLP's: w1 as its fc, w2 as its residual proj."""
+        if isinstance(module, Experts):
+            std = 0.02
             nn.init.normal_(module.w1, mean=0.0, std=std)
             nn.init.normal_(module.w2, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        else:
+            super().init_weights(module)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
