@@ -1,13 +1,15 @@
 """MoE measurements: tokens per expert per step, load balance, dropped tokens, all-to-all bytes.
 
-Every MoE layer leaves its last forward's figures in ``MoE.last_stats`` (device tensors: routed
+Every MoE layer sums the figures of its forwards in ``MoE.last_stats`` (device tensors: routed
 assignments per expert, dropped assignments; the all-to-all bytes as a Python int, which the
-dispatcher knows on the host anyway). After each training batch this callback adds them to a
-device buffer of the current optimizer step -- no host read, no collective. Every
+dispatcher knows on the host anyway) -- one forward per batch, or a pipeline's micro-batches;
+never an activation checkpoint's recompute. After each training batch this callback adds them to a
+device buffer of the current optimizer step and clears them -- no host read, no collective. Every
 ``flush_every_n_steps`` steps the finished steps are moved to the host (one read per interval),
-and at the end of training one all-reduce sums the per-step counts over the data-parallel ranks,
-so the figures are those of the global batch. A model without MoE layers: nothing happens and
-``summary()`` is empty.
+and at the end of training one all-gather brings every rank's counts together by layer: summed
+over the data-parallel ranks, so the figures are those of the global batch, and the layers of a
+pipeline's stages put back in model order. A model without MoE layers: nothing happens (no
+collective) and ``summary()`` is empty.
 
 ``summary()`` -> ``{"moe": {...}}``:
 
@@ -27,6 +29,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_par.callbacks.memory import all_gather_objects
 from lightning_par.models.moe import MoE
 
 
@@ -34,6 +37,7 @@ class MoEMonitor(L.Callback):
     def __init__(self, flush_every_n_steps: int = 50) -> None:
         self.flush_every_n_steps = max(1, int(flush_every_n_steps))
         self._layers: list[MoE] = []
+        self._names: list[str] = []
         self._current: torch.Tensor | None = None  # (layers, experts + 1): counts, then dropped
         self._pending: list[torch.Tensor] = []  # finished steps still on the device
         self._host: list[torch.Tensor] = []
@@ -42,8 +46,13 @@ class MoEMonitor(L.Callback):
         self._summary: dict[str, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._layers = [m for m in pl_module.modules() if isinstance(m, MoE)]
+        self._names = [n for n, m in pl_module.named_modules() if isinstance(m, MoE)]
+        self._layers = [pl_module.get_submodule(n) for n in self._names]
+        # the same on every rank (a pipeline rank may hold no MoE layer, but joins the gather at the end)
+        self._moe_model = bool(self._layers) or getattr(getattr(pl_module, "config", None), "n_experts", 0) > 0
         self._step_seen = trainer.global_step
+        for m in self._layers:
+            m.clear_stats()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -54,6 +63,8 @@ class MoEMonitor(L.Callback):
             row = torch.stack([torch.cat([s["tokens_per_expert"], s["dropped"].reshape(1)]) for s in stats])
             self._current = row if self._current is None else self._current + row
             self._a2a_bytes += 2 * sum(int(s["a2a_bytes"]) for s in stats)
+        for m in self._layers:  # the layers keep their forwards (a pipeline's micro-batches) until read
+            m.clear_stats()
         if trainer.global_step != self._step_seen and self._current is not None:  # an optimizer step ended
             self._step_seen = trainer.global_step
             self._pending.append(self._current)
@@ -67,19 +78,30 @@ class MoEMonitor(L.Callback):
             self._pending = []
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._layers:
+        if not getattr(self, "_moe_model", False):
             return
         self._flush()
         steps = torch.cat(self._host) if self._host else torch.zeros(0, len(self._layers), 1)
-        totals = torch.tensor([float(self._a2a_bytes), float(len(steps))], dtype=torch.float64)
-        # a pipeline's ranks hold different layers: each reports its own; else the counts are summed over
-        # the data-parallel ranks (ranks of one replica, e.g. tensor-parallel ones, saw the same tokens)
-        if trainer.world_size > 1 and getattr(trainer.strategy, "pipeline", None) is None:
-            dp = int((getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1))
-            steps = trainer.strategy.reduce(steps.to(pl_module.device, torch.float64), reduce_op="sum").cpu()
-            steps = steps * (dp / trainer.world_size)
-            totals = trainer.strategy.reduce(totals.to(pl_module.device), reduce_op="mean").cpu()
-        self._summary = summarize(steps.to(torch.float64), a2a_bytes=float(totals[0]), n_steps=int(totals[1]))
+        # one gather at the end: every rank's per-step counts of the layers it holds, by layer name. A
+        # layer's counts are summed over the data-parallel ranks and divided by the ranks of one replica
+        # that hold it (tensor-parallel ranks see the same tokens); a pipeline's ranks hold different
+        # layers, put back in model order
+        mine = (self._names, steps.to(torch.float64), float(self._a2a_bytes))
+        gathered = all_gather_objects(mine) if trainer.world_size > 1 else [mine]
+        if not any(names for names, _, _ in gathered):
+            return
+        dp = int((getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1))
+        sums: dict[str, torch.Tensor] = {}
+        holders: dict[str, int] = {}
+        for names, per_step, _ in gathered:
+            for i, name in enumerate(names):
+                sums[name] = per_step[:, i] + sums[name] if name in sums else per_step[:, i]
+                holders[name] = holders.get(name, 0) + 1
+        order = sorted(sums, key=lambda n: [int(t) if t.isdigit() else 0 for t in n.split(".")])
+        per_layer = [sums[n] * (dp / holders[n]) for n in order]
+        counts = torch.stack(per_layer, dim=1)  # (steps, layers, experts + 1)
+        a2a = sum(b for _, _, b in gathered) / len(gathered)
+        self._summary = summarize(counts, a2a_bytes=a2a, n_steps=int(counts.shape[0]))
 
     def summary(self) -> dict[str, Any]:
         return {"moe": self._summary} if self._summary else {}

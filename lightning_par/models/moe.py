@@ -149,6 +149,22 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+class _AddAuxLossGrad(torch.autograd.Function):
+    """Identity on ``x`` in forward; in backward also gives ``aux`` the gradient ``scale`` -- as if
+    ``scale * aux`` had been added to the loss (used where the loss cannot carry it: a pipeline stage)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
 class Experts(nn.Module):
     """``n`` GELU MLPs as stacked weights; ``forward`` runs the experts this rank holds on their rows.
 
@@ -184,8 +200,35 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.n_embd, cfg.hidden)
         self.shared = MLP(cfg) if cfg.shared_expert else None
         self.aux_loss: torch.Tensor | None = None
-        #: this forward's measurements (device tensors, no host read): assignments per expert, dropped ones
-        self.last_stats: dict[str, Any] = {}
+        # AuxLossSource (parallel/contract.py): set under a pipeline, where the loss cannot carry aux_loss
+        self.aux_grad_scale: float | None = None
+        # one entry per training forward since the reader last cleared them (device tensors, no host
+        # read): assignments per expert, dropped ones, assignments, all-to-all bytes, aux loss
+        self._forwards: list[tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]] = []
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """The figures of the last training forward -- under a pipeline, of this step's micro-batches,
+        summed; {} when there was none since ``clear_stats``."""
+        if not self._forwards:
+            return {}
+        tokens, dropped, assignments, a2a, _ = zip(*self._forwards)
+        return {"tokens_per_expert": torch.stack(tokens).sum(0), "dropped": torch.stack(dropped).sum(0),
+                "assignments": sum(assignments), "a2a_bytes": sum(a2a)}
+
+    @property
+    def aux_sum(self) -> torch.Tensor | None:
+        """The auxiliary losses this layer fed into backward itself (``aux_grad_scale`` set), summed."""
+        aux = [f[4] for f in self._forwards if f[4] is not None]
+        return torch.stack(aux).sum() if aux else None
+
+    def clear_stats(self) -> None:
+        self._forwards = []
+
+    def keep_last_forwards(self, n: int) -> None:
+        """Forget all but the last ``n`` forwards: torch's pipeline stages run one more forward on
+        their first step to infer shapes (with whatever the receive buffers hold), not a micro-batch."""
+        self._forwards = self._forwards[-n:] if n else []
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert index (B, T, k), gate weight (B, T, k), kept (B, T, k) bool); sets ``aux_loss``."""
@@ -228,11 +271,20 @@ class MoE(nn.Module):
         if y.shape[0] < token.shape[0]:  # the dropped rows: no expert output
             y = torch.cat([y, y.new_zeros(token.shape[0] - y.shape[0], c)])
         out = torch.zeros_like(tokens).index_add_(0, token, y * gate.unsqueeze(-1))
-        if self.training:
-            self.last_stats = {"tokens_per_expert": counts[:n].detach(), "dropped": counts[n].detach(),
-                               "assignments": bucket.numel(), "a2a_bytes": self.experts.last_a2a_bytes}
+        stats = (counts[:n].detach(), counts[n].detach(), bucket.numel(), self.experts.last_a2a_bytes)
         out = out.reshape(b, t, c)
-        return out + self.shared(x) if self.shared is not None else out
+        out = out + self.shared(x) if self.shared is not None else out
+        aux = None
+        if self.aux_grad_scale is not None and torch.is_grad_enabled() and self.aux_loss is not None:
+            out = _AddAuxLossGrad.apply(out, self.aux_loss, self.aux_grad_scale)
+            aux = self.aux_loss.detach()
+        # a checkpoint's recompute (it runs inside backward) is not a forward of its own; torch has no
+        # public flag for it, hence the graph-task id (-1 outside any backward)
+        if self.training and torch._C._current_graph_task_id() == -1:
+            # a pipeline (aux_grad_scale set) clears them every step and keeps its micro-batches; else
+            # one forward per batch: the last one replaces any the monitor did not read (nothing piles up)
+            self._forwards = [*self._forwards, (*stats, aux)] if self.aux_grad_scale is not None else [(*stats, aux)]
+        return out
 
 
 class MoEBlock(Block):

@@ -2,9 +2,10 @@
 
 The training loss is the cross-entropy plus the MoE layers' auxiliary losses (load balance and
 router z-loss, already scaled by their coefficients); both parts are logged (``train/ce``,
-``train/aux``), and ``train/loss`` -- the loss the run summary records -- is their sum. A pipeline's
-last stage computes only ``loss_fn(output, target)``, so under ``strategy=pipeline`` the auxiliary
-losses are left out.
+``train/aux``), and ``train/loss`` -- the loss the run summary records -- is their sum. Under a
+pipeline the last stage computes only ``loss_fn(output, target)``: there each MoE layer feeds its
+auxiliary loss into backward itself and the pipeline adds the stages' aux values to the loss it
+reports (``parallel/contract.py`` ``AuxLossSource``), so ``train/loss`` is the same sum.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -80,6 +81,30 @@ class HasExampleInput(Protocol):
 @runtime_checkable
 class InitsWeights(Protocol):
     def init_weights(self, module: nn.Module) -> None: ...
+
+
+@runtime_checkable
+class AuxLossSource(Protocol):
+    """A layer that computes an auxiliary training loss inside its forward (an MoE router's balance
+    and z-losses). Normally the LightningModule adds it to the loss it returns. A pipeline stage
+    returns only its activations, so ``parallel/pipeline.py`` sets ``aux_grad_scale`` (the scale of
+    each micro-batch's loss) and the layer feeds the gradient of ``aux_grad_scale x aux`` into
+    backward itself; ``aux_sum`` (detached, summed over the forwards since ``clear_stats``) is what
+    it added, and ``keep_last_forwards(n)`` drops the forwards that were no micro-batch."""
+
+    aux_grad_scale: float | None
+
+    @property
+    def aux_sum(self) -> torch.Tensor | None: ...
+
+    def clear_stats(self) -> None: ...
+
+    def keep_last_forwards(self, n: int) -> None: ...
+
+
+def aux_loss_sources(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every ``AuxLossSource`` inside ``modules``."""
+    return [m for mod in modules for m in mod.modules() if isinstance(m, AuxLossSource)]
 
 
 def declared_plan(module: nn.Module) -> ParallelPlan | None:

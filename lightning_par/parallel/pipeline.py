@@ -44,6 +44,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from lightning_par.parallel.contract import aux_loss_sources
+
 log = logging.getLogger(__name__)
 
 SCHEDULES = {
@@ -342,19 +344,35 @@ class Pipeline:
                                  f"n_microbatches={self.n_microbatches}")
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first and x is not None else ()
+        aux = aux_loss_sources(self.modules)
+        for m in aux:
+            m.clear_stats()
         self.timer.clear()
         self.timer.step_start = time.perf_counter()
         fn(*args, target=target if self.has_last else None, losses=losses)
         self.timer.step_end = time.perf_counter()
+        for m in aux:  # each of this rank's stages ran one forward per micro-batch (+ shape inference once)
+            m.keep_last_forwards(self.n_microbatches)
         loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
         loss = loss.to(self.stages[0].device).float()
+        # the auxiliary losses of this rank's layers (their mean over the micro-batches, in the scaled
+        # losses' units): the sum over the pipeline's ranks is then the loss the single device returns
+        sums = [m.aux_sum * m.aux_grad_scale / self.n_microbatches for m in aux if m.aux_sum is not None]
+        if sums:
+            loss = loss + torch.stack(sums).sum().to(loss)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(loss, group=self.group)  # only the last stage's rank contributes
         return loss
 
+    def scale_aux_losses(self, scale: float) -> None:
+        """Let every auxiliary-loss layer of this rank's stages (``AuxLossSource``) feed its loss into
+        backward scaled like a micro-batch's loss (``loss_fn``'s ``scale``): no stage returns it."""
+        for m in aux_loss_sources(self.modules):
+            m.aux_grad_scale = scale
+
     def step(self, x: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor:
         """Forward + backward of one batch (gradients accumulate in the stage modules); returns the
-        mean micro-batch loss, the same on every pipeline rank."""
+        mean micro-batch loss (plus the stages' auxiliary losses), the same on every pipeline rank."""
         return self._run(self.schedule.step, x, target)  # type: ignore[attr-defined]
 
     def eval_step(self, x: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor:

@@ -339,6 +339,7 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         # the loss is scaled instead: torch's scaling divides every gradient after each call, which
         # would also shrink the gradients accumulated over earlier batches
         pipe.schedule.scale_grads = False  # type: ignore[attr-defined]
+        pipe.scale_aux_losses(self._loss_scale)  # MoE routers' losses: no stage returns them
         return pipe
 
     def _batch_per_pipeline(self, trainer: Any, dims: ParallelDims, accumulate: int) -> int | None:
