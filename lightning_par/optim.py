@@ -192,3 +192,15 @@ def apply_schedule(model: object, node: object | None, global_batch_size: int | 
     elif schedule != ScheduleConfig():
         raise ConfigError(f"scheduler={schedule.name} (lr_scaling={schedule.lr_scaling}) applies to lightning_par's "
                           f"models; {type(model).__name__} sets its own schedule in configure_optimizers")
+
+
+def per_tensor_where_mixed(optimizer: torch.optim.Optimizer) -> None:
+    """torch's foreach kernels refuse a list mixing plain tensors and DTensors (or DTensors on
+    different meshes, e.g. expert parallelism's experts beside tensor-parallel or FSDP shards): such
+    parameter groups take the per-tensor path."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        kinds = {(p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None for p in group["params"]}
+        if len(kinds) > 1 and "foreach" in group:
+            group["foreach"] = False

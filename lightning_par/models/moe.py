@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.models.gpt import GPT, MLP, Block, GPTConfig
+from lightning_par.models.gpt import GPT, MLP, Block, GPTConfig, gpt_plan
 from lightning_par.parallel.contract import ParallelPlan
 
 GATINGS = ("softmax", "sigmoid")
@@ -324,8 +324,16 @@ class MoEGPT(GPT):
 
 
 def moe_plan(cfg: MoEConfig) -> MoEPlan:
-    """Blocks (FSDP / checkpointing units), layers (pipeline cuts) and the expert modules. No tp_plan:
-    tensor parallelism of the MoE decoder is not declared."""
+    """Blocks (FSDP / checkpointing units), layers (pipeline cuts), the expert modules, and the GPT's
+    tensor-parallel styles: the attention and the dense blocks' MLPs are split as in the GPT, while an
+    MoE layer (router, experts, shared expert) runs whole on every tensor-parallel rank -- its input
+    is replicated there, so every tp rank routes the same tokens (no expert tensor parallelism)."""
     blocks = tuple(f"blocks.{i}" for i in range(cfg.n_layer))
     experts = tuple(f"blocks.{i}.mlp.experts" for i in range(cfg.n_layer) if cfg.is_moe(i))
-    return MoEPlan(layers=("embed", *blocks, "head"), blocks=blocks, experts=experts, n_experts=cfg.n_experts)
+    dense = gpt_plan(cfg)
+    tp_plan = {k: v for k, v in dense.tp_plan.items() if not k.startswith("blocks.*.mlp.")}
+    tp_plan |= {f"blocks.{i}.mlp.{name}": style for i in range(cfg.n_layer) if not cfg.is_moe(i)
+                for name, style in (("fc", "colwise"), ("proj", "rowwise"))}
+    divisible = {k: v for k, v in dense.tp_divisible.items() if k != "mlp hidden" or cfg.n_moe_layers < cfg.n_layer}
+    return MoEPlan(layers=("embed", *blocks, "head"), blocks=blocks, experts=experts, n_experts=cfg.n_experts,
+                   tp_plan=tp_plan, tp_divisible=divisible)

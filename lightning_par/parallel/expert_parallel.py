@@ -120,3 +120,28 @@ def shard_experts(experts: Sequence[nn.Module], *, mesh: DeviceMesh, reshard_aft
     for mod in experts:
         fully_shard(mod, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """One mesh over every data rank of ``mesh`` (its dp_replicate, dp_shard and ep axes; flattened
+    into ``dp_ep`` when there are several): the group the non-expert parameters are averaged or
+    FSDP-sharded over. Call once per mesh (flattening registers the name on the root mesh)."""
+    names = mesh.mesh_dim_names or ()
+    data = tuple(n for n in ("dp_replicate", "dp_shard", "ep") if n in names)
+    if not data:
+        return None
+    return mesh[data]._flatten("dp_ep") if len(data) > 1 else mesh[data[0]]
+
+
+def average_replicated_gradients(module: nn.Module, mesh: DeviceMesh, data: DeviceMesh) -> None:
+    """Data parallelism without FSDP beside expert parallelism, after backward: the non-expert
+    gradients averaged over every data rank (``data``), the experts' over dp_replicate only (their
+    ep group's sum already became a mean through ``Experts.grad_scale``). Averaging the whole
+    accumulated gradient after every backward is exact: the part averaged before is equal everywhere."""
+    from lightning_par.parallel.gradients import average_gradients
+
+    experts = {id(p) for p in expert_parameters(module)}
+    average_gradients([p for p in module.parameters() if id(p) not in experts], data.get_group())
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names and mesh["dp_replicate"].size() > 1:
+        average_gradients([p for p in module.parameters() if id(p) in experts], mesh["dp_replicate"].get_group())

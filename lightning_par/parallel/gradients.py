@@ -24,13 +24,25 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, norm
     norms are combined over ``pp_group`` (sum of p-th powers, or max for the inf-norm).
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if grads:
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-    else:
+    # torch's foreach norm refuses a list mixing plain tensors and DTensors on different meshes (expert
+    # parallelism's experts on ep, FSDP shards on the data mesh, TP shards on tp): each kind is normed
+    # on its own (a DTensor's norm over its whole mesh) and the norms combined
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    norms = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float())
+    if not norms:
         total = torch.zeros(())
+    elif len(norms) == 1:
+        total = norms[0]
+    else:
+        stacked = torch.stack(norms)
+        total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
@@ -38,8 +50,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, norm
             total = total.double() ** norm_type
             dist.all_reduce(total, group=pp_group)
             total = (total ** (1.0 / norm_type)).float()
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    for group in groups.values():  # clip_grads_with_norm_'s foreach path wants one kind per call too
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

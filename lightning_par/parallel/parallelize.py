@@ -125,9 +125,11 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
         if spec.tensor_parallel is not None:                                             # 3. tensor parallel
             tp = spec.tensor_parallel
             # a pipeline stage registers its layers under their full paths: the plan's patterns fit as they are
+            # experts stay plain for expert parallelism to shard over ep (every tp rank runs them whole)
+            experts = _blocks_in(stage, module, spec.expert_parallel.experts) if spec.expert_parallel else []
             apply_tensor_parallel(stage, tp_mesh=tp.mesh, plan=plan.tp_plan,
                                   sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
-                                  divisible=plan.tp_divisible, strict=spec.cut is None)
+                                  divisible=plan.tp_divisible, strict=spec.cut is None, keep_plain=experts)
         if spec.expert_parallel is not None:                                             # 3. expert parallel
             ep = spec.expert_parallel
             expert_modules = apply_expert_parallel(stage, ep_mesh=ep.mesh, experts=_blocks_in(stage, module, ep.experts))

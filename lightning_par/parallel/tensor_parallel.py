@@ -37,6 +37,7 @@ DTensor, which torch's ``clip_grad_norm_`` needs. Parameters are taken from tens
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 import logging
 from fnmatch import fnmatchcase
 from functools import partial
@@ -164,6 +165,7 @@ def apply_tensor_parallel(
     divisible: dict[str, int] | None = None,
     strict: bool = True,
     replicate_rest: bool = True,
+    keep_plain: Sequence[str] = (),
 ) -> dict[str, str]:
     """Apply ``plan`` (path pattern -> style name, see the module docstring) to ``model`` in place.
 
@@ -179,6 +181,8 @@ def apply_tensor_parallel(
             table) into replicated DTensors (style ``replicate``: inputs and outputs stay replicated
             local tensors, no communication), so every parameter is a DTensor: torch's
             ``clip_grad_norm_`` and optimizers' foreach paths refuse a mix of Tensors and DTensors.
+        keep_plain: module paths left as they are (an MoE layer's experts, which expert parallelism
+            turns into DTensors on its own ``ep`` axis).
 
     Returns the applied plan: concrete module path -> style name (skipped entries left out).
     """
@@ -230,7 +234,7 @@ def apply_tensor_parallel(
     # modules still holding plain parameters: replicate leaf modules (exact when their inputs are
     # replicated, which holds everywhere outside the colwise->rowwise pairs without SP)
     plain = [(path, m) for path, m in model.named_modules()
-             if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+             if path not in keep_plain and any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
     for path, module in plain:
         leaf = not any(True for c in module.children() for _ in c.parameters())
         if replicate_rest and not sequence_parallel and leaf:

@@ -33,11 +33,13 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from typing_extensions import override
 
 from lightning_par import ConfigError
+from lightning_par.optim import per_tensor_where_mixed
 from lightning_par.parallel.contract import example_input_of, loss_fn_of
 from lightning_par.parallel.discovery import ResolvedPlan, resolve_plan
 from lightning_par.parallel.hf_plan import check_tied, find_hf_model, hf_prepare_pipeline
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
-from lightning_par.parallel.parallelize import FullyShard, TensorParallel
+from lightning_par.parallel.expert_parallel import check_expert_parallel, data_mesh
+from lightning_par.parallel.parallelize import ExpertParallel, FullyShard, TensorParallel
 from lightning_par.parallel.pipeline import (
     MULTI_STAGE,
     SCHEDULES,
@@ -83,6 +85,9 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         reshard_after_forward: FSDP: free gathered parameters after forward; None: True without a
             pipeline, False with one (else every micro-batch all-gathers them again).
         pipelined: run a pipeline schedule even when pp == 1 (the pipeline strategy on one device).
+        ep: expert parallelism for MoE models (``parallel/expert_parallel.py``): the routed experts
+            spread over ``ep`` ranks taken from the data axis (ep must divide world / (pp x tp)); the
+            rest of the model as without it. The MoE layers run whole on every tensor-parallel rank.
     """
 
     strategy_name = "lp_mesh"
@@ -102,6 +107,7 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         activation_checkpointing: bool = False,
         reshard_after_forward: bool | None = None,
         pipelined: bool = False,
+        ep: int = 1,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
         process_group_backend: str | None = None,
@@ -117,11 +123,14 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                 raise ValueError(f"{name}: {key} must be a positive integer or null, got {value!r}")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"{name}: data_parallel must be one of {', '.join(DATA_PARALLEL)}, got {data_parallel!r}")
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(f"{name}: ep must be a positive integer, got {ep!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"{name}: unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
         if balance not in BALANCE:
             raise ValueError(f"{name}: balance must be one of {', '.join(BALANCE)}, got {balance!r}")
-        self.pp, self.tp = pp, tp
+        self.pp, self.tp, self.ep = pp, tp, ep
+        self._data_mesh: Any = None
         self.data_parallel = data_parallel
         self.schedule = schedule
         self._n_microbatches = n_microbatches
@@ -167,9 +176,14 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
     @override
     def dims_for(self, world_size: int) -> ParallelDims:
         pp, tp, dp = self._sizes(world_size)
+        if dp % self.ep:
+            raise ValueError(f"{type(self).__name__}: ep={self.ep} does not divide the data-parallel degree {dp} "
+                             f"(world {world_size} / (pp={pp} x tp={tp})); expert parallelism takes its ranks "
+                             "from the data axis")
+        dp //= self.ep
         if self.data_parallel == "fsdp":
-            return ParallelDims(pp=pp, dp_shard=dp, tp=tp)
-        return ParallelDims(pp=pp, dp_replicate=dp, tp=tp)
+            return ParallelDims(pp=pp, dp_shard=dp, ep=self.ep, tp=tp)
+        return ParallelDims(pp=pp, dp_replicate=dp, ep=self.ep, tp=tp)
 
     def n_microbatches_for(self, pp: int) -> int:
         return self._n_microbatches if self._n_microbatches is not None else pp
@@ -228,6 +242,17 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                              f"{model}.loss_fn(output, target)")
         if self.activation_checkpointing and not plan.blocks:
             raise ValueError(f"{name}: activation_checkpointing found no blocks in {model}")
+        if dims.ep > 1:
+            if not getattr(plan, "experts", ()):
+                raise ValueError(f"{name}: ep={dims.ep} but {model} has no experts to spread over ranks (its "
+                                 "parallel_plan() declares no `experts`); use an MoE model or ep=1")
+            check_expert_parallel(dims.ep, getattr(plan, "n_experts", 0), model)
+            if self.data_parallel == "fsdp" and dims.dp_shard == 1:
+                raise ValueError(f"{name}: data_parallel=fsdp with ep={dims.ep} leaves no data axis to shard the "
+                                 "experts over; use a smaller ep or data_parallel=replicate")
+            if self.sequence_parallel:
+                raise ValueError(f"{name}: sequence_parallel with ep > 1 is not supported (the MoE layers route "
+                                 "whole sequences); set sequence_parallel=false")
 
     def validate_batch(self, batch_size: int, world_size: int) -> None:
         """The batch one pipeline runs per step (global batch / (dp x accumulation)) must split into
@@ -277,12 +302,22 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         if dims.tp > 1:
             out["tensor_parallel"] = TensorParallel(mesh["tp"], sequence_parallel=self.sequence_parallel,
                                                     loss_parallel=self.loss_parallel and not pipelined)
+        if dims.ep > 1:
+            out["expert_parallel"] = ExpertParallel(mesh["ep"], experts=tuple(getattr(resolved.plan, "experts", ())),
+                                                    fsdp_mesh=mesh["dp_shard"] if dims.dp_shard > 1 else None)
         if dims.dp_shard > 1:
             reshard = self.reshard_after_forward
-            out["fully_shard"] = FullyShard(mesh, reshard_after_forward=(not pipelined) if reshard is None else reshard,
+            # beside ep, FSDP shards the non-expert parameters over every data rank (the experts over dp_shard)
+            out["fully_shard"] = FullyShard(self.data_mesh() if dims.ep > 1 else mesh, reshard_after_forward=(not pipelined) if reshard is None else reshard,
                                             param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
                                             reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"))
         return out
+
+    def data_mesh(self) -> Any:
+        """One mesh over every data rank (dp axis x ep), built once (``parallel/expert_parallel.py``)."""
+        if self._data_mesh is None:
+            self._data_mesh = data_mesh(self.device_mesh)
+        return self._data_mesh
 
     @override
     def prepare_model(self, module: nn.Module) -> list[nn.Module]:
@@ -369,6 +404,13 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         local = {canonical_fqn(name) for name, _ in self.lightning_module.named_parameters()}
         groups = [{**g, "params": [f for f in g["params"] if f in local]} for g in state["param_groups"]]
         set_optimizer_state_dict(self.lightning_module, optimizer, {**state, "param_groups": groups})
+        per_tensor_where_mixed(optimizer)  # a checkpoint's param_groups bring their own ``foreach``
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        for opt in self.optimizers:  # experts on ep beside tp / FSDP shards (or plain tensors)
+            per_tensor_where_mixed(opt)
 
     @override
     def describe(self) -> dict[str, Any]:

@@ -19,19 +19,18 @@ declares no tensor-parallel plan.
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par.parallel.discovery import ResolvedPlan, resolve_plan
-from lightning_par.parallel.expert_parallel import check_expert_parallel, expert_parameters
-from lightning_par.parallel.gradients import average_gradients
+from lightning_par.parallel.expert_parallel import average_replicated_gradients, check_expert_parallel, data_mesh
+from lightning_par.optim import per_tensor_where_mixed
+from lightning_par.parallel.gradients import clip_grad_norm_
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.parallel.parallelize import ExpertParallel, FullyShard
 from lightning_par.strategies.base import ShardedStrategy
@@ -95,10 +94,8 @@ class ExpertParallelStrategy(ShardedStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        mesh, names = self.device_mesh, self.device_mesh.mesh_dim_names or ()
-        data = tuple(n for n in ("dp_replicate", "dp_shard", "ep") if n in names)
         # one 1-D mesh over every data rank: FSDP of the non-expert parameters shards over all of them
-        self._data_mesh = mesh[data]._flatten("dp_ep") if len(data) > 1 else mesh[data[0]] if data else mesh
+        self._data_mesh = data_mesh(self.device_mesh) or self.device_mesh
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -106,7 +103,7 @@ class ExpertParallelStrategy(ShardedStrategy):
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            clip_grad_norm_grouped(plugin.main_params(optimizer), clip_val)
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -128,59 +125,21 @@ class ExpertParallelStrategy(ShardedStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         for opt in self.optimizers:
-            _per_tensor_where_mixed(opt)
+            per_tensor_where_mixed(opt)
 
     @override
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         super().load_optimizer_state(optimizer, state)
-        _per_tensor_where_mixed(optimizer)  # a checkpoint's param_groups bring their own ``foreach``
+        per_tensor_where_mixed(optimizer)  # a checkpoint's param_groups bring their own ``foreach``
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         dims = self.parallel_dims
         if self.data_parallel == "replicate" and dims.world_size > 1:
-            # averaging the whole accumulated gradient after every backward is exact: the part averaged
-            # before is already equal on every replica
-            module = self.lightning_module
-            experts = {id(p) for p in expert_parameters(module)}
-            average_gradients([p for p in module.parameters() if id(p) not in experts], self._data_mesh.get_group())
-            if dims.dp_replicate > 1:
-                average_gradients([p for p in module.parameters() if id(p) in experts],
-                                  self.device_mesh["dp_replicate"].get_group())
+            average_replicated_gradients(self.lightning_module, self.device_mesh, self._data_mesh)
         return closure_loss
 
     @override
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "data_parallel": self.data_parallel}
-
-
-def _per_tensor_where_mixed(optimizer: torch.optim.Optimizer) -> None:
-    """torch's foreach kernels refuse a list mixing plain tensors and DTensors (or DTensors on
-    different meshes): such parameter groups take the per-tensor path."""
-    for group in optimizer.param_groups:
-        kinds = {(p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None for p in group["params"]}
-        if len(kinds) > 1 and "foreach" in group:
-            group["foreach"] = False
-
-
-def clip_grad_norm_grouped(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip by the norm of the whole gradient when plain tensors and DTensors on different meshes
-    (experts on (dp, ep), the rest on the data mesh) are mixed -- ``torch.nn.utils``' foreach norm
-    refuses such a mix, so each kind is normed on its own and the norms combined."""
-    groups: dict[Any, list[nn.Parameter]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p)
-    norms = []
-    for group in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    if not norms:
-        return torch.zeros(())
-    stacked = torch.stack([n.float() for n in norms])
-    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total

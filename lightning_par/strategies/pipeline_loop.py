@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par.parallel.contract import loss_fn_of
+from lightning_par.parallel.expert_parallel import average_replicated_gradients
 from lightning_par.parallel.gradients import average_gradients, clip_grad_norm_
 from lightning_par.parallel.pipeline import Pipeline
 from lightning_par.parallel.tensor_parallel import loss_parallel_context
@@ -115,7 +116,9 @@ class PipelineLoopMixin:
             with loss_parallel_context(self.loss_parallel):
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         dims = self.parallel_dims
-        if dims.dp_replicate > 1:
+        if dims.ep > 1 and dims.dp_shard == 1:  # experts and the rest are averaged over different groups
+            average_replicated_gradients(module, self.device_mesh, self.data_mesh())
+        elif dims.dp_replicate > 1:
             # averaging the whole accumulated gradient after every backward is exact: the part
             # averaged before is already equal on every replica
             average_gradients(module.parameters(), self.device_mesh["dp_replicate"].get_group())
