@@ -27,7 +27,8 @@ experts are replicated (ddp: its all-reduce overlaps backward, the all-to-all of
 on every MoE layer's critical path); otherwise the fitting plan with the least predicted
 communication time wins -- expert parallelism trades the experts' all-reduce or all-gathers for an
 all-to-all of the routed tokens, which wins when the experts are large next to the tokens routed.
-The MoE decoder has no tensor-parallel plan, so fsdp_tp / 3d are not offered for it.
+The cost model does not price tensor parallelism of an MoE model (its MoE layers run whole on every
+tp rank), so fsdp_tp / 3d are not offered for it.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
     moe = shape.n_moe_layers > 0
     if n > 1 and moe:  # expert parallelism within a node, the rest data parallel (replicated or FSDP)
         order += _expert_parallel_candidates(c, shape, cluster)
-    if n > 1 and dpn > 1 and not moe:  # the MoE decoder has no tensor-parallel plan and its aux losses need one stage
+    if n > 1 and dpn > 1 and not moe:  # TP of an MoE model is not priced: its MoE layers run whole on every tp rank
         order += [c("fsdp_tp", [f"strategy.tp={dpn}"], tp=dpn)]
         if nodes > 1:
             order += [c("3d", [f"strategy.tp={dpn}", f"strategy.pp={nodes}"], tp=dpn, pp=nodes)]
