@@ -97,6 +97,9 @@ def layout(strategy: str, devices: int, *, tp: int | None = None, pp: int | None
     ``options``: further ``Layout`` fields."""
     if strategy == "expert_parallel":
         return _expert_parallel_layout(devices, ep or devices, data_parallel, **options)
+    if ep is not None and ep > 1:
+        raise ValueError(f"the estimator prices expert parallelism with strategy=expert_parallel only, not ep={ep} "
+                         f"with {strategy}")
     check(strategy, tuple(SHARDING), "strategy")
     declared = SHARDING[strategy]
     if declared is None:

@@ -176,3 +176,11 @@ def test_expert_parallel_comm_and_states_match_the_models():
     (four,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
                     "strategy.data_parallel=fsdp")
     _comm_and_states(four, 2, "fsdp")
+
+
+def test_ep_beside_other_strategies_is_refused_not_mispriced():
+    """The mesh strategies run ep too, but the estimator prices only strategy=expert_parallel's layouts:
+    anything else with ep > 1 is one clear error rather than a figure that replicates the experts."""
+    _, shape = model_shape("moe_tiny")
+    with pytest.raises(ValueError, match="expert parallelism with strategy=expert_parallel only"):
+        estimate(shape, devices=4, strategy="tensor_parallel", tp=2, ep=2, micro_batch_size=1)
