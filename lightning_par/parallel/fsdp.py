@@ -103,6 +103,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     prefetch: int = 1,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2: each unit in ``units``, then the root. Returns ``model``.
 
@@ -119,6 +120,8 @@ def apply_fsdp(
         prefetch: how many following units' all-gathers each unit issues ahead of time, in
             forward and (the preceding units) in backward. 0 leaves FSDP2's defaults: no forward
             prefetch, and FSDP2's implicit one-unit backward prefetch, which cannot be disabled.
+        ignored_params: parameters FSDP leaves as they are (``fully_shard``'s ``ignored_params``):
+            an MoE layer's experts when their only data axis is the ep axis they are split over.
     """
     if prefetch < 0:
         raise ValueError(f"apply_fsdp: prefetch must be >= 0, got {prefetch}")
@@ -129,6 +132,7 @@ def apply_fsdp(
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+        ignored_params=ignored_params,
     )
     # children before parents: a unit nested in another must be sharded first so it owns its params
     for path in sorted(units, key=lambda p: -p.count(".")):

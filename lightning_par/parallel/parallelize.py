@@ -11,8 +11,8 @@ Every strategy and every pipeline stage goes through ``parallelize(module, spec)
    the routed experts sharded over the ep axis, ``expert_parallel.py``);
 4. activation checkpointing of the blocks present (and of the tiles);
 5. compilation of each block (``module.compile()`` in place: state-dict keys do not change);
-6. FSDP2 ``fully_shard`` (the expert modules over their own data axis, then units, then the
-   stage/model root);
+6. FSDP2 ``fully_shard`` (the expert modules over their own data axis -- or, with none beside ep,
+   left out of FSDP -- then units, then the stage/model root);
 7. materialise: allocate only this rank's local tensors and fill them with the model's own,
    layout-independent initialisation.
 
@@ -68,7 +68,8 @@ class FullyShard:
 class ExpertParallel:
     mesh: DeviceMesh  #: the ep axis
     experts: tuple[str, ...]  #: the expert modules (paths in the model)
-    #: the data axis beside ep that FSDP shards the experts over (None: not sharded further)
+    #: the data axis beside ep that FSDP shards the experts over (None: not sharded further, and kept
+    #: out of the model's FSDP units: their gradient is already the ep group's mean, ``Experts.grad_scale``)
     fsdp_mesh: DeviceMesh | None = None
 
 
@@ -147,10 +148,13 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                 stage.get_submodule(path).compile(**spec.compile_kwargs)
         if spec.fully_shard is not None:                                                 # 6. FSDP
             fs = spec.fully_shard
+            ignored = None
             if spec.expert_parallel is not None and spec.expert_parallel.fsdp_mesh is not None:
                 ep = spec.expert_parallel
                 shard_experts(expert_modules, mesh=ep.fsdp_mesh, reshard_after_forward=fs.reshard_after_forward,
                               param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype)
+            elif spec.expert_parallel is not None:  # no data axis beside ep: experts stay ep shards, outside FSDP
+                ignored = {p for mod in expert_modules for p in mod.parameters()}
             units = blocks if fs.units is None else resolve_units(stage, fs.units if isinstance(fs.units, (str, int))
                                                                   else list(fs.units))
             if stage_tiles:  # each tile a unit of its own (nested units are sharded first), in model order
@@ -159,7 +163,7 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                 units = sorted({*units, *stage_tiles}, key=lambda path: order[id(stage.get_submodule(path))])
             apply_fsdp(stage, mesh=fs.mesh, units=units, reshard_after_forward=fs.reshard_after_forward,
                        param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
-                       prefetch=fs.prefetch)
+                       prefetch=fs.prefetch, ignored_params=ignored)
     if templates is not None:                                                            # 7. materialise
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))

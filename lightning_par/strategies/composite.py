@@ -201,6 +201,9 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         plan = resolve_plan(module).plan
         model = type(module).__name__
         check_tied(module, tp=dims.tp, pp=dims.pp)  # a layout that would silently untie shared weights
+        if (self.param_dtype or self.reduce_dtype) and dims.dp_shard <= 1 and dims.ep > 1:
+            raise ValueError(f"{name}: param_dtype/reduce_dtype need a dp_shard axis beside ep={dims.ep} (with none, "
+                             "the experts stay outside FSDP, uncast); use trainer.precision=bf16-mixed instead")
         if (self.param_dtype or self.reduce_dtype) and dims.dp_shard <= 1:
             raise ValueError(f"{name}: param_dtype/reduce_dtype are FSDP mixed precision, but this layout has no "
                              f"FSDP axis (dp_shard={dims.dp_shard}); use trainer.precision=bf16-mixed instead")
@@ -247,9 +250,6 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                 raise ValueError(f"{name}: ep={dims.ep} but {model} has no experts to spread over ranks (its "
                                  "parallel_plan() declares no `experts`); use an MoE model or ep=1")
             check_expert_parallel(dims.ep, getattr(plan, "n_experts", 0), model)
-            if self.data_parallel == "fsdp" and dims.dp_shard == 1:
-                raise ValueError(f"{name}: data_parallel=fsdp with ep={dims.ep} leaves no data axis to shard the "
-                                 "experts over; use a smaller ep or data_parallel=replicate")
             if self.sequence_parallel:
                 raise ValueError(f"{name}: sequence_parallel with ep > 1 is not supported (the MoE layers route "
                                  "whole sequences); set sequence_parallel=false")
@@ -305,10 +305,12 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         if dims.ep > 1:
             out["expert_parallel"] = ExpertParallel(mesh["ep"], experts=tuple(getattr(resolved.plan, "experts", ())),
                                                     fsdp_mesh=mesh["dp_shard"] if dims.dp_shard > 1 else None)
-        if dims.dp_shard > 1:
+        if dims.dp_shard > 1 or (self.data_parallel == "fsdp" and dims.ep > 1):
             reshard = self.reshard_after_forward
-            # beside ep, FSDP shards the non-expert parameters over every data rank (the experts over dp_shard)
-            out["fully_shard"] = FullyShard(self.data_mesh() if dims.ep > 1 else mesh, reshard_after_forward=(not pipelined) if reshard is None else reshard,
+            # beside ep, FSDP shards the non-expert parameters over every data rank (dp_shard x ep); the
+            # experts over dp_shard, or (dp_shard = 1) not at all: they are split over ep already
+            out["fully_shard"] = FullyShard(self.data_mesh() if dims.ep > 1 else mesh,
+                                            reshard_after_forward=(not pipelined) if reshard is None else reshard,
                                             param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
                                             reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"))
         return out

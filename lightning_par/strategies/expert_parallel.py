@@ -13,8 +13,9 @@ gradient of every rank of its ep group; their copies over the dp axis are summed
 divided by the world size: 1/ep in backward (``Experts.grad_scale``, before accumulation), then
 the mean over the dp axis (FSDP's reduce-scatter, or an all-reduce over ``dp_replicate``).
 
-Not composed here (yet): tensor and pipeline parallelism (``tp``/``pp`` stay 1); the MoE decoder
-declares no tensor-parallel plan.
+With ``ep`` = the world and ``fsdp``, the experts are split over ep only (outside FSDP) and the rest
+is FSDP-sharded over the world. Tensor and pipeline parallelism: the mesh strategies take the same
+``ep`` option (``strategies/composite.py``), through the same ``parallelize`` steps.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class ExpertParallelStrategy(ShardedStrategy):
     Args:
         ep: expert-parallel ranks (must divide the world and the number of experts); None: the world.
         data_parallel: ``replicate`` (parameters replicated over the dp axis, gradients averaged) or
-            ``fsdp`` (FSDP2: non-expert parameters sharded over the whole world, experts over dp).
+            ``fsdp`` (FSDP2: non-expert parameters sharded over the whole world, experts over dp,
+            if dp > 1).
         reshard_after_forward: FSDP: free gathered parameters after forward.
         activation_checkpointing: recompute each block's activations in backward.
     """
@@ -87,9 +89,6 @@ class ExpertParallelStrategy(ShardedStrategy):
                              "no `experts`); use an MoE model (model=moe_tiny) or another strategy")
         dims = self.dims_for(world_size)
         check_expert_parallel(dims.ep, getattr(plan, "n_experts", 0), model)
-        if self.data_parallel == "fsdp" and dims.dp_shard == 1 and world_size > 1:
-            raise ValueError(f"{name}: data_parallel=fsdp with ep={dims.ep} on {world_size} ranks leaves no data "
-                             "axis to shard the experts over; use ep < world size or data_parallel=replicate")
 
     @override
     def setup_environment(self) -> None:
@@ -116,7 +115,7 @@ class ExpertParallelStrategy(ShardedStrategy):
         out: dict[str, Any] = {}
         if dims.ep > 1:
             out["expert_parallel"] = ExpertParallel(mesh["ep"], experts=experts,
-                                                    fsdp_mesh=mesh["dp_shard"] if fsdp else None)
+                                                    fsdp_mesh=mesh["dp_shard"] if fsdp and dims.dp_shard > 1 else None)
         if fsdp:
             out["fully_shard"] = FullyShard(self._data_mesh, reshard_after_forward=self.reshard_after_forward)
         return out

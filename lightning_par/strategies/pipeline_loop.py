@@ -116,7 +116,8 @@ class PipelineLoopMixin:
             with loss_parallel_context(self.loss_parallel):
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         dims = self.parallel_dims
-        if dims.ep > 1 and dims.dp_shard == 1:  # experts and the rest are averaged over different groups
+        if dims.ep > 1 and getattr(self, "data_parallel", "replicate") == "replicate":
+            # experts and the rest are averaged over different groups (with fsdp, FSDP reduces both)
             average_replicated_gradients(module, self.device_mesh, self.data_mesh())
         elif dims.dp_replicate > 1:
             # averaging the whole accumulated gradient after every backward is exact: the part
