@@ -128,6 +128,8 @@ def test_user_lightning_module_with_strategy_yaml(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(ROOT / "lightning_par/conf/strategy/ddp.yaml")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # no rank may abort at interpreter exit (gloo's workers outliving the interpreter, base.py)
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
     ranks = re.findall(r"RANK(\d) world=(\d+) steps=(\d+) loss=([\d.]+) type=(\w+)", proc.stdout)
     assert sorted(r[0] for r in ranks) == ["0", "1"], proc.stdout
     for _, world, steps, loss, cls in ranks:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
-from lightning_par.strategies.base import ParStrategyMixin
+from lightning_par.strategies.base import ParStrategyMixin, destroy_process_group_at_exit
 from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
 
@@ -84,6 +84,11 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
     @override
     def _configure_launcher(self) -> None:
         self._launcher = self._make_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()  # Lightning's: ranks, device, process group
+        destroy_process_group_at_exit()
 
     @override
     def setup(self, trainer: Any) -> None:
