@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,3 +41,39 @@ def assert_losses_match(got: dict, ref: dict, rtol: float = 1e-5, atol: float = 
     assert len(a) == len(b) >= 10, (len(a), len(b))
     np.testing.assert_allclose(a, b, rtol=rtol, atol=atol,
                                err_msg=f"{got['strategy']} x{got['world_size']} vs {ref['strategy']}")
+
+
+def memtracker_step_peak(net: torch.nn.Module, vocab_size: int, batch: int, seq: int, precision: str) -> int:
+    """torch MemTracker's peak (bytes, CPU) over one training step of ``net`` -- the demo models'
+    ``loss_fn`` plus the MoE layers' auxiliary losses if it has them, the optimizer factory's AdamW,
+    autocast for bf16-mixed -- after a warm-up step, so the optimizer state exists as in every step
+    but the first."""
+    from contextlib import nullcontext
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lightning_par.models.module import ParModule
+    from lightning_par.optim import OptimizerConfig, build_optimizer
+
+    opt = build_optimizer(net.parameters(), OptimizerConfig("adamw", lr=1e-3))
+    x = torch.randint(0, vocab_size, (batch, seq))
+    y = torch.randint(0, vocab_size, (batch, seq))
+    aux_loss = getattr(net, "aux_loss", lambda: None)
+
+    def step() -> None:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+        with ctx:
+            loss = ParModule.loss_fn(net(x), y)
+            aux = aux_loss()
+            if aux is not None:
+                loss = loss + aux
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(net, opt)
+    with tracker:
+        step()
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])

@@ -12,17 +12,14 @@ dropout (the math attention path on CPU).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 
 from lightning_par.costs.activations import Shape, attention_kernel
 from lightning_par.estimate import estimate
 from lightning_par.models.gpt import GPT
-from lightning_par.models.module import ParModule
-from lightning_par.optim import OptimizerConfig, build_optimizer
 from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from tests.helpers import memtracker_step_peak
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,30 +38,11 @@ CASES = {
 
 
 def measured_peak(shape: Shape, batch: int, precision: str, checkpointing: bool) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     torch.manual_seed(0)
     net = GPT(shape.gpt_config()).train()
     if checkpointing:
         apply_activation_checkpointing(net, blocks=[f"blocks.{i}" for i in range(shape.n_layer)])
-    opt = build_optimizer(net.parameters(), OptimizerConfig("adamw", lr=1e-3))
-    x = torch.randint(0, shape.vocab_size, (batch, shape.seq_len))
-    y = torch.randint(0, shape.vocab_size, (batch, shape.seq_len))
-
-    def step() -> None:
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
-        with ctx:
-            loss = ParModule.loss_fn(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # warm-up: creates the optimizer state
-    tracker = MemTracker()
-    tracker.track_external(net, opt)
-    with tracker:
-        step()
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return memtracker_step_peak(net, shape.vocab_size, batch, shape.seq_len, precision)
 
 
 @pytest.mark.parametrize("case", list(CASES))

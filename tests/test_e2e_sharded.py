@@ -14,12 +14,10 @@ grouped into Hydra multiruns (one parent process per sweep) and shared through `
 per-session cache that ``test_estimate_crosscheck.py`` and ``test_checkpoint.py`` reuse.
 
 Each sweep runs in its own process group with its output in a file: a timeout or a failure kills
-every rank it started (an orphaned rank blocked in a collective cannot hang the suite). A sweep is
-retried once, and only, when a rank aborted at interpreter exit with torch's gloo finalization race
-("terminate called without an active exception": a gloo worker thread frees a finished all-reduce
-whose tensors need the GIL while Python finalizes). The rank's results were already written, but
-Lightning's process observer of that job, still alive in the multirun parent, then kills the
-parent during the next job.
+every rank it started (an orphaned rank blocked in a collective cannot hang the suite). A sweep
+that fails is never retried: torch's gloo exit race ("terminate called without an active
+exception"), which an earlier version retried, is the product's to prevent (children end with
+``os._exit``; the parent's process groups are destroyed and collected at exit, strategies/base.py).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +46,6 @@ _CACHE: dict[tuple[str, ...], Path] = {}
 _NUMBER = itertools.count()
 _DIR = Path(tempfile.mkdtemp(prefix="lp_sharded_"))
 atexit.register(shutil.rmtree, _DIR, True)
-
-
-EXIT_RACE = "terminate called without an active exception"
 
 
 def _run_group(cmd: list[str], log: Path, timeout: float) -> int:
@@ -71,22 +65,15 @@ def _run_group(cmd: list[str], log: Path, timeout: float) -> int:
 def sweep_dir(*args: str, timeout: float = 900) -> Path:
     """Run ``run.py -m QUICK *args`` once per test session; its sweep directory (jobs 0, 1, ...)."""
     key = tuple(args)
-    for attempt in range(2):
-        if key in _CACHE:
-            break
-        out = _DIR / f"sweep{next(_NUMBER)}-{attempt}"  # never the directory of an earlier, failed sweep"
+    if key not in _CACHE:
+        out = _DIR / f"sweep{next(_NUMBER)}"  # never the directory of an earlier, failed sweep
         log = _DIR / f"{out.name}.log"
         rc = _run_group([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *args, f"hydra.sweep.dir={out}"],
                         log, timeout)
-        text = log.read_text()
-        if rc == 0:
-            _CACHE[key] = out
-        elif attempt == 1 or EXIT_RACE not in text:
+        if rc != 0:
             raise AssertionError(f"run.py -m {' '.join(args)} failed ({'timeout' if rc == -1 else rc}):\n"
-                                 f"{text[-6000:]}")
-        else:
-            warnings.warn(f"retrying run.py -m {' '.join(args)}: a rank hit gloo's exit race ({EXIT_RACE!r})",
-                          stacklevel=2)
+                                 f"{log.read_text()[-6000:]}")
+        _CACHE[key] = out
     return _CACHE[key]
 
 

@@ -14,16 +14,13 @@ checked against the parameter counts of the model built on the meta device.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 
 from lightning_par.costs.activations import Shape
 from lightning_par.estimate import estimate, model_shape
 from lightning_par.models.moe import PRESETS, MoEConfig, MoEGPT
-from lightning_par.models.module import ParModule
-from lightning_par.optim import OptimizerConfig, build_optimizer
+from tests.helpers import memtracker_step_peak
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,28 +41,8 @@ CASES = {
 
 
 def measured_peak(cfg: MoEConfig, batch: int, seq: int, precision: str) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     torch.manual_seed(0)
-    net = MoEGPT(cfg).train()
-    opt = build_optimizer(net.parameters(), OptimizerConfig("adamw", lr=1e-3))
-    x = torch.randint(0, cfg.vocab_size, (batch, seq))
-    y = torch.randint(0, cfg.vocab_size, (batch, seq))
-
-    def step() -> None:
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
-        with ctx:
-            loss = ParModule.loss_fn(net(x), y) + net.aux_loss()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    tracker = MemTracker()
-    tracker.track_external(net, opt)
-    with tracker:
-        step()
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return memtracker_step_peak(MoEGPT(cfg).train(), cfg.vocab_size, batch, seq, precision)
 
 
 @pytest.mark.parametrize("case", list(CASES))
