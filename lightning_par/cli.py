@@ -24,7 +24,8 @@ from pathlib import Path
 
 import hydra
 from hydra.errors import CompactHydraException
-from omegaconf import DictConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_par import ConfigError
 
@@ -169,6 +170,23 @@ def _config_failure(e: ConfigError) -> None:
     print(f"error: {e}", file=sys.stderr)
     stop_elastic_agent()
     sys.exit(2)
+
+
+class ClaimRunDir(Callback):
+    """Claims a single run's directory (``jobs.claim_run_dir``) before Hydra writes its ``.hydra/``
+    files and ``run.log`` there: a second run into a directory that a live run holds stops with one
+    line and leaves that run's files as they were. ``train`` takes the claim over and releases it;
+    otherwise it goes when the process ends. Sweeps need none: each job gets a directory of its own."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        from lightning_par.jobs import claim_run_dir, global_rank
+
+        if global_rank() != 0:  # under torchrun or srun, rank 0 holds the directory
+            return
+        try:  # hydra.run.dir resolves as run_job will resolve it (Hydra caches ${now:})
+            claim_run_dir(str(OmegaConf.select(config, "hydra.run.dir")))
+        except ConfigError as e:  # RunDirInUse, or a file system without locks
+            _config_failure(e)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class RunDirLock:
     """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
-        self.path = Path(run_dir) / LOCK_FILE
+        self.path = Path(os.path.abspath(run_dir)) / LOCK_FILE
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
@@ -161,12 +161,28 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)  # drops the flock
             self._fd = None
+        if _HELD.get(self.path) is self:
+            del _HELD[self.path]
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+#: the run-directory locks this process holds, by lock-file path (``claim_run_dir``)
+_HELD: dict[Path, RunDirLock] = {}
+
+
+def claim_run_dir(run_dir: str | os.PathLike) -> RunDirLock:
+    """This process's lock on ``run_dir``: the one it took already (the app claims the directory
+    before Hydra writes into it, ``cli.ClaimRunDir``), else a new one. ``RunDirInUse`` when another
+    live run holds it. ``release()`` gives it up."""
+    path = Path(os.path.abspath(run_dir)) / LOCK_FILE
+    if path not in _HELD:
+        _HELD[path] = RunDirLock(path.parent).acquire()
+    return _HELD[path]
 
 
 def _read_holder(fd: int) -> str:

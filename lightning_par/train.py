@@ -4,7 +4,8 @@ a config node.
 Order: validate everything that can be checked without processes (names, sizes, precision,
 devices, model/data match, the strategy's own constraints) and raise ``ConfigError`` with one line;
 then build data, model, strategy, callbacks, logger and trainer; then fit. The run claims its run
-directory first (``jobs.RunDirLock``: a second live run into it is refused) and checks that the
+directory (``jobs.claim_run_dir``; the app claims it before Hydra writes there: a second live run
+into it is refused) and checks that the
 output and checkpoint directories are writable. For multi-process runs started here (not by
 torchrun or Slurm), the resolved config is written next to the run's Hydra files, one file per run,
 and ranks 1..N-1 are started as ``python -m lightning_par.child <that file>`` -- which is why Hydra
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_par import ConfigError, facts
 from lightning_par.callbacks.guard import RunGuard, RunStopped
-from lightning_par.jobs import RunDirLock, clear_failure
+from lightning_par.jobs import claim_run_dir, clear_failure, global_rank
 from lightning_par.parallel.contract import input_kind_of
 from lightning_par.parallel.elastic import init_elastic_process_group
 from lightning_par.strategies.checkpoint import check_checkpoint
@@ -163,7 +164,7 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     parts = build(cfg)
     strategy = parts["strategy"]
     world = validate(cfg, strategy, parts["model"], parts["datamodule"])
-    if getattr(strategy, "single_process", False) and launched_externally() and _env_rank() > 0:
+    if getattr(strategy, "single_process", False) and launched_externally() and global_rank() > 0:
         return None  # srun/torchrun started several tasks for a one-process strategy: rank 0 trains alone
     trainer_kwargs: dict[str, Any] = {}
     if world == 1:
@@ -173,10 +174,9 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     out_dir = str(cfg.paths.output_dir)
     callbacks = with_guard(parts["callbacks"])
     ckpt_dirs = checkpoint_dirs(callbacks, out_dir)
-    owner = not child and _env_rank() == 0  # the process that holds the run directory
-    lock = RunDirLock(out_dir) if owner else None
-    if lock is not None:
-        lock.acquire()  # RunDirInUse (a ConfigError) when another live run holds the directory
+    owner = not child and global_rank() == 0  # the process that holds the run directory
+    # RunDirInUse (a ConfigError) when another live run holds the directory
+    lock = claim_run_dir(out_dir) if owner else None
     try:
         if owner:
             check_writable(out_dir, "output")
@@ -245,13 +245,6 @@ def check_writable(directory: str, what: str) -> None:
                 os.rmdir(c)
             except OSError:
                 break
-
-
-def _env_rank() -> int:
-    for key in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
 
 
 def checkpoint_step(path: str) -> int | None:

@@ -197,12 +197,17 @@ def test_child_configs_are_unique_per_run(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_second_live_run_into_a_run_dir_is_refused_in_one_line(tmp_path):
+    theirs = {tmp_path / ".hydra" / "config.yaml": "the other run's config\n", tmp_path / "run.log": "its log\n"}
+    for path, text in theirs.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
     with RunDirLock(tmp_path):
         proc = run_cli([*DDP2], tmp_path, timeout=90, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and f"run directory {tmp_path} is in use by another run (pid {os.getpid()}" in lines[0]
-    assert not list((tmp_path / ".hydra").glob("resolved-*.yaml"))  # refused before any rank was started
+    assert sorted(p.name for p in (tmp_path / ".hydra").iterdir()) == ["config.yaml"]  # no rank, no Hydra files
+    assert {p: p.read_text() for p in theirs} == theirs  # the other run's files as they were
     assert not (tmp_path / "error.json").exists()  # and it leaves no record in the other run's directory
 
 
