@@ -8,6 +8,11 @@ through the same DataLoader) are trained by:
                       elsewhere), ``zero_grad(set_to_none=True)``;
 - ``plain compiled``  the same loop with every transformer block compiled in place
                       (``block.compile()``, the granularity lightning_par uses);
+- ``lightning``       Lightning's own ``Trainer`` (its default single-device strategy) fitting the
+                      same LightningModule and data with the app's trainer settings (CSV logger
+                      written every 10 steps, no checkpointing, no progress bar), timed by
+                      lightning_par's throughput callback alone: the share of the overhead that is
+                      Lightning's loop, not lightning_par's;
 - ``lp single``       ``lightning-par strategy=single`` (the app, in this process: its default
                       callbacks -- memory, throughput, summary, guard -- included);
 - ``lp compiled``     the same with ``compile=true``.
@@ -17,7 +22,8 @@ machine's load hit all of them. Step time: the plain loops are timed in windows 
 ``--window`` steps with one device synchronisation per window, as lightning_par's throughput
 monitor does on CUDA (on CPU it times every step: there is nothing to synchronise); the median of
 the steps after ``--warmup`` is each repetition's figure, the median over repetitions is
-printed, with the ratio ours / plain for eager and for compiled. MFU counts the model FLOPs of
+printed, with the ratios ours / plain for eager and for compiled, and lightning / plain and
+ours / lightning for eager. MFU counts the model FLOPs of
 torch's FLOP counter against the dense peak of the matmul dtype (lightning_par/devices.py); peak
 memory is the CUDA allocator's peak (not available on CPU).
 
@@ -101,6 +107,25 @@ def plain_loop(args: argparse.Namespace, device: torch.device, compiled: bool) -
     return statistics.median(times[args.warmup:] or times)
 
 
+def lightning_own(args: argparse.Namespace, device: torch.device) -> float:
+    """Median seconds per step of Lightning's own Trainer and single-device strategy."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_par.callbacks.throughput import ThroughputMonitor
+    from lightning_par.models import GPTModule
+
+    torch.manual_seed(0)
+    module = GPTModule(preset=args.preset, seq_len=args.seq_len)  # AdamW from the optimizer factory
+    monitor = ThroughputMonitor(warmup_steps=args.warmup, every_n_steps=args.window)
+    out = tempfile.mkdtemp(prefix="bench_loop_")
+    trainer = L.Trainer(accelerator=device.type, devices=1, precision=args.precision, max_steps=args.steps,
+                        limit_val_batches=0, logger=CSVLogger(out), log_every_n_steps=10, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor], default_root_dir=out)
+    trainer.fit(module, datamodule=make_data(args, module.config.vocab_size))
+    return monitor.summary()["step_time_s"]
+
+
 def lightning_par_single(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
     """The app (``lightning-par strategy=single ...``) in this process; its run summary."""
     from hydra import compose, initialize_config_module
@@ -153,7 +178,7 @@ def main() -> None:
     module = GPTModule(preset=args.preset, seq_len=args.seq_len)
     flops = model_flops_per_batch(module, args.batch)
     peak = peak_flops_per_device(device, precision_dtype(args.precision))
-    names = ["plain eager", "lp single"] + ([] if args.no_compile else ["plain compiled", "lp compiled"])
+    names = ["plain eager", "lightning", "lp single"] + ([] if args.no_compile else ["plain compiled", "lp compiled"])
     times: dict[str, list[float]] = {n: [] for n in names}
     peaks: dict[str, int | None] = {n: None for n in names}
     for rep in range(args.reps):
@@ -163,6 +188,8 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             if name.startswith("plain"):
                 times[name].append(plain_loop(args, device, compiled=name.endswith("compiled")))
+            elif name == "lightning":
+                times[name].append(lightning_own(args, device))
             else:
                 times[name].append(lightning_par_single(args, compiled=name.endswith("compiled"))["step_time_s"])
             if cuda:
@@ -179,7 +206,8 @@ def main() -> None:
         mem = f"{peaks[name] / 2**30:7.2f} GiB" if peaks[name] else "         -"
         print(f"{name:16s} {1000 * t:9.2f} {tokens / t:10.0f} {mfu:>7s} {mem:>10s}   "
               + ", ".join(f"{1000 * x:.2f}" for x in times[name]))
-    for ours, plain in (("lp single", "plain eager"), ("lp compiled", "plain compiled")):
+    for ours, plain in (("lp single", "plain eager"), ("lp compiled", "plain compiled"),
+                        ("lightning", "plain eager"), ("lp single", "lightning")):
         if ours in times:
             print(f"ratio {ours} / {plain} = {statistics.median(times[ours]) / statistics.median(times[plain]):.3f}")
 
