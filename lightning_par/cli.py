@@ -59,10 +59,9 @@ def _hydra_args(argv: list[str]):
         return None
 
 
-def _option_lister(args):
-    """``group -> available config names``, over the same search path Hydra will use: the package's
-    configs, ``--config-dir``/``--config-path``, search-path plugins, ConfigStore entries and every
-    ``hydra.searchpath`` entry (command line or primary config)."""
+def _config_loader(args):
+    """Hydra's config loader over the search path Hydra will use: the package's configs,
+    ``--config-dir``/``--config-path``, search-path plugins and ConfigStore entries."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import compute_search_path_dir, create_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
@@ -71,8 +70,18 @@ def _option_lister(args):
     if args.config_dir is not None:
         search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(args.config_dir)}",
                             anchor=SearchPathQuery(provider="schema"))
-    loader = ConfigLoaderImpl(config_search_path=search_path)
-    searchpath_overrides = [o for o in args.overrides if o.lstrip("+~").startswith("hydra.searchpath=")]
+    return ConfigLoaderImpl(config_search_path=search_path)
+
+
+def _searchpath_overrides(args) -> list[str]:
+    return [o for o in args.overrides if o.lstrip("+~").startswith("hydra.searchpath=")]
+
+
+def _option_lister(args):
+    """``group -> available config names``, over Hydra's search path (``_config_loader``) and every
+    ``hydra.searchpath`` entry (command line or primary config)."""
+    loader = _config_loader(args)
+    searchpath_overrides = _searchpath_overrides(args)
     config_name = args.config_name or CONFIG_NAME
     cache: dict[str, list[str]] = {}
 
@@ -85,6 +94,54 @@ def _option_lister(args):
         return cache[group]
 
     return options
+
+
+def sweep_safe_overrides(argv: list[str]) -> list[str]:
+    """``argv`` with each plain override of a key inside a swept group (``-m strategy=zero3,fsdp
+    strategy.param_dtype=bf16``) made ``++``, once every config of the sweep is known to have that key.
+
+    Hydra composes a multirun's base config with the groups' defaults before it expands the sweep, so
+    a key that the default config lacks (``single`` has no ``param_dtype``) failed as "Key
+    'param_dtype' is not in struct" though every swept config has it. A key that some swept config
+    lacks is a ``ConfigError`` naming that config (a ``++`` would hand it an option it does not take).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+
+    if not any(a.startswith("-m") or a == "--multirun" for a in argv):
+        return argv
+    args = _hydra_args(argv)
+    if args is None:
+        return argv
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:  # Hydra reports it itself
+        return argv
+    options = _option_lister(args)
+    swept = {o.key_or_group: list(o.sweep_string_iterator()) for o in overrides
+             if o.is_choice_sweep() and o.package is None and options(o.key_or_group)}
+    plain = [o for o in overrides if o.type.name == "CHANGE" and not o.is_sweep_override()
+             and o.key_or_group.split(".")[0] in swept and "." in o.key_or_group]
+    if not plain:
+        return argv
+    loader, config_name = _config_loader(args), args.config_name or CONFIG_NAME
+    rewrite = {}
+    for o in plain:
+        group, key = o.key_or_group.split(".", 1)
+        for name in swept[group]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cfg = loader.load_configuration(config_name, [f"{group}={name}", *_searchpath_overrides(args)],
+                                                run_mode=RunMode.RUN)
+            if OmegaConf.select(cfg[group], key, default=_MISSING) is _MISSING:
+                raise ConfigError(f"{o.key_or_group}: {group}={name} has no option {key!r} "
+                                  f"(swept: {', '.join(swept[group])}); sweep only configs that have it")
+        rewrite[o.input_line] = f"++{o.input_line}"
+    return [rewrite.get(a, a) for a in argv]
+
+
+_MISSING = object()
 
 
 def _choices(override) -> Iterable[str]:
@@ -250,8 +307,10 @@ def main() -> None:
     argv = sys.argv[1:]
     try:
         check_group_choices(argv)
+        argv = sweep_safe_overrides(argv)
     except ConfigError as e:
         _config_failure(e)
+    sys.argv[1:] = argv
     sys.argv += torchrun_overrides(argv, dict(os.environ))
     try:
         _job()

@@ -28,6 +28,8 @@ from tests.helpers import run_cli
         (["model=mlp"], r"takes vectors but data TextDataModule gives tokens"),
         (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
         (["mode=serve"], r"unknown mode 'serve'"),
+        (["-m", "strategy=ddp,fsdp", "strategy.param_dtype=bf16"],
+         r"strategy.param_dtype: strategy=ddp has no option 'param_dtype' \(swept: ddp, fsdp\)"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, pattern):
@@ -57,3 +59,17 @@ def test_more_devices_than_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"trainer.devices=4 but this machine has 2 GPU\(s\)"):
         validate(_cfg(), DDPStrategy(), GPTModule(preset="gpt_tiny"), TextDataModule())
+
+
+def test_a_swept_groups_own_option_reaches_every_job(tmp_path):
+    """Hydra composes a sweep's base config with the default strategy (single, which has no
+    param_dtype) and failed on the key before any job; every swept config has it, so each job gets it."""
+    import json
+
+    sweep = tmp_path / "sweep"
+    run_cli(["-m", "mode=estimate", "strategy=fsdp,zero3", "strategy.param_dtype=bf16", "trainer.devices=2",
+             f"hydra.sweep.dir={sweep}"], sweep, timeout=120)
+    jobs = [OmegaConf.load(sweep / job / ".hydra" / "config.yaml") for job in ("0", "1")]
+    assert [(c.strategy._target_.rsplit(".", 1)[1], c.strategy.param_dtype) for c in jobs] == [
+        ("FSDPStrategy", "bf16"), ("Zero3Strategy", "bf16")]
+    assert all(json.loads((sweep / job / "estimate.json").read_text()) for job in ("0", "1"))
