@@ -138,7 +138,10 @@ def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, mic
     mesh = lo.mesh
     dp = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1) * mesh.get("ep", 1)  # ep is a data axis too
     per_rank = micro * (lo.n_microbatches or lo.pp)  # a pipeline splits its batch into micro-batches of ``micro``
-    mem = estimate(shape, devices=n, strategy=strategy, micro_batch_size=per_rank, layout_=lo, **kw)
+    try:
+        mem = estimate(shape, devices=n, strategy=strategy, micro_batch_size=per_rank, layout_=lo, **kw)
+    except ValueError:  # a layout the estimator does not price (tensor parallelism of an MoE model)
+        return None
     u = shape.units()
     cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro,
                                   shape.vocab_size, shape.mlp_ratio, shape.block_size, shape.bias,
@@ -149,7 +152,10 @@ def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, mic
     try:
         comm = comm_model.step_comm_bytes(strategy, n_params=u["total"], mesh=mesh, dtype_bytes=dtype, shape=cshape,
                                           micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule,
-                                          expert_params=experts)
+                                          expert_params=experts,
+                                          data_parallel=lay.get("data_parallel", "replicate"),
+                                          activation_bytes=4 if kw["precision"].startswith("32") else 2,
+                                          recompute=bool(kw["checkpointing"]))
     except ValueError:
         comm = {}
     seconds = comm_model.predicted_seconds(comm, {**mesh, "world": n}, _axis_bandwidth(mesh, cluster))

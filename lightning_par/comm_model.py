@@ -137,7 +137,9 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                     reshard_after_forward: bool = True, schedule: str = "1f1b", virtual_stages: int = 1,
                     stage_rank: int | None = None, stage_params: int | None = None,
                     sequence_parallel: bool = False, loss_parallel: bool = False,
-                    grad_clip: bool = False, expert_params: int = 0) -> dict[str, dict[str, int]]:
+                    grad_clip: bool = False, expert_params: int = 0,
+                    data_parallel: str = "replicate", activation_bytes: int | None = None,
+                    recompute: bool = False) -> dict[str, dict[str, int]]:
     """Payload bytes one rank sends through collectives in one optimizer step: ``{kind: {axis: bytes}}``.
 
     Args:
@@ -158,6 +160,12 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             n_params / pp.
         grad_clip: zero2's global-norm clipping adds one 4-byte all-reduce.
         expert_params: expert_parallel: the routed experts' parameters (of ``n_params``), 1/ep per rank.
+        data_parallel: expert_parallel's ``replicate`` or ``fsdp`` (FSDP without a dp_shard axis, when ep
+            is the whole world, shows in no mesh axis).
+        activation_bytes: expert_parallel: bytes per element of the experts' output (2 under bf16
+            autocast), which the combine all-to-all and the dispatch's gradient carry; None: ``dtype_bytes``.
+        recompute: expert_parallel: activation checkpointing re-runs each MoE layer's forward in backward,
+            and with it the dispatch, the combine and the counts' exchange.
 
     Raises ValueError for a strategy or option this model does not cover.
     """
@@ -207,36 +215,42 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             fsdp(mine, 0, "dp_shard", False)  # no re-gather per micro-batch under a pipeline
         _add(out, "all_reduce", "dp_replicate", mine * b * (rep > 1))
     elif strategy == "expert_parallel":
-        _expert_parallel(out, shape, P, expert_params, get("ep"), rep, shard, b)
+        _expert_parallel(out, shape, P, expert_params, get("ep"), rep, shard, b, fsdp=data_parallel == "fsdp",
+                         act_b=b if activation_bytes is None else activation_bytes, recompute=recompute)
     else:
         raise ValueError(f"comm_model: no communication model for strategy {strategy!r}")
     return {k: dict(v) for k, v in out.items() if any(v.values())}
 
 
 def _expert_parallel(out: dict, shape: CommShape | None, P: int, experts: int, ep: int, rep: int, shard: int,
-                     b: int) -> None:
+                     b: int, fsdp: bool = False, act_b: int = 4, recompute: bool = False) -> None:
     """strategies/expert_parallel.py. Per MoE layer and forward: the routed rows go out in one
     all-to-all and come back in another (payload: this rank's ``tokens x top_k`` rows of ``hidden``
     elements each, under dropless routing), after an all-to-all of the per-expert counts (int64);
     backward reverses both row exchanges. The non-expert gradients are averaged over the whole
     world (ep is a data axis), the experts' over the data axis beside ep: all-reduced (``replicate``)
     or, under FSDP, all-gathered twice and reduce-scattered (non-expert parameters over the world,
-    each rank's 1/ep of the experts over dp_shard)."""
+    each rank's 1/ep of the experts over dp_shard; with ep the whole world there is no dp_shard and
+    the experts, outside FSDP, are not communicated)."""
     if shape is None or not shape.moe_layers:
         raise ValueError("comm_model: expert_parallel needs an MoE shape (moe_layers, n_experts, top_k)")
     if ep > 1:
         rows = shape.micro_batch * shape.seq * shape.top_k
-        _add(out, "all_to_all", "ep", shape.moe_layers * (4 * rows * shape.hidden * b + 8 * shape.n_experts))
+        # dispatch and combine, forward and backward: twice in the input's dtype, twice in the output's;
+        # a recomputed forward exchanges its rows and counts once more
+        forward = rows * shape.hidden * (b + act_b) + 8 * shape.n_experts
+        _add(out, "all_to_all", "ep", shape.moe_layers * ((2 + recompute) * forward - 8 * shape.n_experts))
     # the non-expert parameters' group: every data rank (strategies/expert_parallel.py flattens the
     # data axes into one mesh); named ``world`` like callbacks/comm.py names a group of every rank
     on = [name for name, size in (("dp_replicate", rep), ("dp_shard", shard), ("ep", ep)) if size > 1]
     world_axis = "world" if len(on) > 1 else (on[0] if on else "ep")
     dense, local_experts = P - experts, experts // ep
-    if shard > 1:  # FSDP: non-expert over the world, experts over dp_shard
+    if shard > 1 or fsdp:  # FSDP: non-expert over the world, experts over dp_shard
         _add(out, "all_gather", world_axis, 2 * dense * b)
         _add(out, "reduce_scatter", world_axis, dense * b)
-        _add(out, "all_gather", "dp_shard", 2 * local_experts * b)
-        _add(out, "reduce_scatter", "dp_shard", local_experts * b)
+        if shard > 1:
+            _add(out, "all_gather", "dp_shard", 2 * local_experts * b)
+            _add(out, "reduce_scatter", "dp_shard", local_experts * b)
     else:
         _add(out, "all_reduce", world_axis, dense * b * (rep * ep > 1))
         _add(out, "all_reduce", "dp_replicate", local_experts * b * (rep > 1))

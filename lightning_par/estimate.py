@@ -124,15 +124,12 @@ def layout(strategy: str, devices: int, *, tp: int | None = None, pp: int | None
 def _expert_parallel_layout(devices: int, ep: int, data_parallel: str, **options: Any) -> Layout:
     """``strategy=expert_parallel``: the routed experts split over ``ep`` ranks; the rest replicated
     (``replicate``: gradients all-reduced after backward) or, with ``fsdp``, the non-expert
-    parameters sharded over the whole world and the experts' own shards over dp = world / ep
-    (strategies/expert_parallel.py)."""
+    parameters sharded over the whole world and the experts' own shards over dp = world / ep (none
+    when ep is the whole world: the experts stay ep shards outside FSDP; strategies/expert_parallel.py)."""
     if ep < 1 or devices % ep:
         raise ValueError(f"expert_parallel: ep={ep} does not divide the world size {devices}")
     dp = devices // ep
-    if data_parallel == "fsdp":
-        if dp == 1 and devices > 1:
-            raise ValueError(f"expert_parallel: data_parallel=fsdp with ep={ep} on {devices} ranks leaves no data "
-                             "axis to shard the experts over")
+    if data_parallel == "fsdp":  # with ep = world (dp = 1) the experts stay ep shards outside FSDP
         return Layout(strategy="expert_parallel", shard=devices, params_sharded=True, opt_sharded=True, grads="fsdp",
                       ep=ep, expert_shard=dp, mesh={k: v for k, v in (("dp_shard", dp), ("ep", ep)) if v > 1},
                       **options)

@@ -88,9 +88,9 @@ def test_expert_parallel_divides_the_experts_by_ep(preset):
     for ep in (2, n):
         # replicate: every rank holds all non-expert parameters and 1/ep of the experts (fp32: 4 bytes)
         assert _states(shape, n, ep=ep, data_parallel="replicate") == pytest.approx(4 * (rest + experts / ep), rel=1e-6)
-        if ep == n:  # fsdp needs a data axis beside ep to shard the experts over
-            with pytest.raises(ValueError, match="leaves no data axis"):
-                _states(shape, n, ep=ep, data_parallel="fsdp")
+        if ep == n:  # fsdp with ep = world: the non-expert parameters over the world, the experts' 1/ep unsharded
+            assert _states(shape, n, ep=ep, data_parallel="fsdp") == pytest.approx(4 * (rest / n + experts / n),
+                                                                                   rel=1e-4)
             continue
         # fsdp: non-expert over the world, the experts' 1/ep over dp = n / ep: everything over n
         assert _states(shape, n, ep=ep, data_parallel="fsdp") == pytest.approx(4 * (rest / n + experts / n), rel=1e-4)
@@ -125,7 +125,7 @@ def _comm_and_states(s: dict, ep: int, data_parallel: str) -> None:
     shape = CommShape(cfg.n_layer, cfg.n_embd, seq, micro, cfg.vocab_size, moe_layers=cfg.n_moe_layers,
                       n_experts=cfg.n_experts, top_k=cfg.top_k)
     model = step_comm_bytes("expert_parallel", n_params=cfg.n_params, mesh=s["mesh"], shape=shape,
-                            expert_params=cfg.n_expert_params)
+                            expert_params=cfg.n_expert_params, data_parallel=data_parallel)
     ranks = s["comm"]["per_rank"]
     # dropless routing: each rank sends all its tokens x top_k rows, but receives what the router sends it,
     # so one rank's all-to-all payload moves with the routing while the mean over the ep group is fixed
@@ -143,16 +143,23 @@ def _comm_and_states(s: dict, ep: int, data_parallel: str) -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_comm_and_states_match_the_models():
-    """ep=2 at 2 ranks (replicate) and ep=2 x FSDP at 4 ranks: the all-to-all, all-reduce, all-gather
-    and reduce-scatter bytes CommMonitor counted equal comm_model's; each rank's parameter bytes equal
-    the estimator's within FSDP's padding (1%)."""
-    from tests.test_moe import SGD, two
+    """ep=2 at 2 ranks (replicate), ep=2 x FSDP at 4 ranks, and FSDP with ep = the whole world at 2
+    ranks (the non-expert parameters FSDP-sharded over ep, the experts outside FSDP): the all-to-all,
+    all-reduce, all-gather and reduce-scatter bytes CommMonitor counted equal comm_model's; each
+    rank's parameter bytes equal the estimator's within FSDP's padding (1%). The last run also
+    matches the single run's losses at rtol 1e-6 (SGD, test_moe.py's bound)."""
+    from tests.test_moe import SGD, _assert_moe_figures, _assert_parity, two
     from tests.test_e2e_sharded import sweep
 
     _comm_and_states(two()["expert_parallel"], 2, "replicate")
     (four,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
                     "strategy.data_parallel=fsdp")
     _comm_and_states(four, 2, "fsdp")
+    (whole,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=2", "strategy.data_parallel=fsdp")
+    assert whole["mesh"] == {"ep": 2}
+    _comm_and_states(whole, 2, "fsdp")
+    _assert_parity(whole, two()["single"])
+    _assert_moe_figures(whole, two()["single"], ep=2)
 
 
 def test_ep_beside_other_strategies_is_refused_not_mispriced():
@@ -161,3 +168,7 @@ def test_ep_beside_other_strategies_is_refused_not_mispriced():
     _, shape = model_shape("moe_tiny")
     with pytest.raises(ValueError, match="expert parallelism with strategy=expert_parallel only"):
         estimate(shape, devices=4, strategy="tensor_parallel", tp=2, ep=2, micro_batch_size=1)
+    # the MoE layers run whole on every tp rank: not priced, rather than divided by tp
+    for strategy in ("tensor_parallel", "fsdp_tp", "3d"):
+        with pytest.raises(ValueError, match="does not price tensor parallelism of an MoE model"):
+            estimate(shape, devices=8, strategy=strategy, tp=2, micro_batch_size=1)

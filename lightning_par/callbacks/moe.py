@@ -62,7 +62,7 @@ class MoEMonitor(L.Callback):
         if all(stats):
             row = torch.stack([torch.cat([s["tokens_per_expert"], s["dropped"].reshape(1)]) for s in stats])
             self._current = row if self._current is None else self._current + row
-            self._a2a_bytes += 2 * sum(int(s["a2a_bytes"]) for s in stats)
+            self._a2a_bytes += sum(int(s["a2a_bytes"]) for s in stats)  # forward and backward (EPDispatch)
         for m in self._layers:  # the layers keep their forwards (a pipeline's micro-batches) until read
             m.clear_stats()
         if trainer.global_step != self._step_seen and self._current is not None:  # an optimizer step ended

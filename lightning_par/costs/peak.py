@@ -74,6 +74,9 @@ def step_peak(shape: act.Shape, layout: Layout, *, micro_batch_size: int, precis
               checkpointing: bool | str = False, device: str = "cuda") -> Peak:
     """Predicted per-rank bytes (the rank that holds the most: pipeline first or last stage).
     ``checkpointing``: False, True / ``"full"`` (every block keeps its input only) or ``"selective"``."""
+    if shape.n_moe_layers and layout.tp > 1:
+        raise ValueError(f"the estimator does not price tensor parallelism of an MoE model (tp={layout.tp}: its MoE "
+                         "layers run whole on every tp rank); estimate it with tp=1")
     stages = ("first", "last") if layout.pp > 1 else ("all",)
     return max((_stage_peak(shape, layout, role, micro_batch_size, precision, optimizer, checkpointing, device)
                 for role in stages), key=lambda r: r.peak)
@@ -227,5 +230,7 @@ def _grads_during_backward(lay: Layout, g: float, local: float, psi_shard: int, 
     if lay.grads == "zero2":
         return g * (done + unit) + g * psi_shard  # full .grads so far + the persistent shard buffer
     if lay.grads == "fsdp":
-        return g * (done / max(1, lay.shard) + unit)
+        # reduce-scattered to this rank's shard: psi_shard / local of them (the experts are sharded over
+        # their own, smaller data axis, so dividing by the world's shard would count them too small)
+        return g * (done * psi_shard / max(1.0, local) + unit)
     return g * (done + unit)

@@ -178,7 +178,7 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
         self.dispatch: Dispatcher = run_local  # replaced by parallel/expert_parallel.py under EP
-        self.last_a2a_bytes = 0  # bytes this rank sent by all-to-all in its last forward
+        self.last_a2a_bytes = 0  # bytes this rank sends by all-to-all for its last forward (and its backward)
         self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:

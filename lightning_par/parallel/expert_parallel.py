@@ -71,8 +71,12 @@ class EPDispatch:
         back = torch.cat([out_blocks[e * ep + s] for s in range(ep) for e in range(n_local)]) if out_blocks else y
         out = all_to_all_single_autograd(back, send, recv, self.group)
         me = dist.get_rank(self.group)
-        rows_out = sum(send) - send[me] + sum(recv) - recv[me]  # rows that left this rank: dispatch, combine
-        experts.last_a2a_bytes = rows_out * x.shape[-1] * x.element_size() + counts.numel() * counts.element_size()
+        rows_out = sum(send) - send[me] + sum(recv) - recv[me]  # rows that leave this rank: dispatch, combine
+        # forward and backward: each direction's rows go once in the input's dtype (dispatch forward,
+        # its gradient back) and once in the experts' output dtype (combine forward, its gradient back)
+        # -- they differ under autocast; the counts only in forward
+        experts.last_a2a_bytes = (rows_out * x.shape[-1] * (x.element_size() + y.element_size())
+                                  + counts.numel() * counts.element_size())
         return out
 
 

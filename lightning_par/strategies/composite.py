@@ -250,9 +250,9 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                 raise ValueError(f"{name}: ep={dims.ep} but {model} has no experts to spread over ranks (its "
                                  "parallel_plan() declares no `experts`); use an MoE model or ep=1")
             check_expert_parallel(dims.ep, getattr(plan, "n_experts", 0), model)
-            if self.sequence_parallel:
-                raise ValueError(f"{name}: sequence_parallel with ep > 1 is not supported (the MoE layers route "
-                                 "whole sequences); set sequence_parallel=false")
+        if self.sequence_parallel and getattr(plan, "experts", ()):  # whatever ep is
+            raise ValueError(f"{name}: sequence_parallel with an MoE model ({model}) is not supported (its MoE "
+                             "layers run whole on every tp rank and route whole sequences); set sequence_parallel=false")
 
     def validate_batch(self, batch_size: int, world_size: int) -> None:
         """The batch one pipeline runs per step (global batch / (dp x accumulation)) must split into
