@@ -117,8 +117,10 @@ if __name__ == "__main__":
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = Regressor()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
-    print(f"RANK{trainer.global_rank} world={trainer.world_size} steps={trainer.global_step} "
-          f"loss={float(trainer.callback_metrics['loss']):.4f} type={type(trainer.strategy).__name__}")
+    # one write per line: both ranks share this stdout, and print() may write the text and its newline apart
+    sys.stdout.write(f"RANK{trainer.global_rank} world={trainer.world_size} steps={trainer.global_step} "
+                     f"loss={float(trainer.callback_metrics['loss']):.4f} type={type(trainer.strategy).__name__}\n")
+    sys.stdout.flush()
 '''
 
 
