@@ -119,7 +119,7 @@ if __name__ == "__main__":
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
     # one write per line: both ranks share this stdout, and print() may write the text and its newline apart
     sys.stdout.write(f"RANK{trainer.global_rank} world={trainer.world_size} steps={trainer.global_step} "
-                     f"loss={float(trainer.callback_metrics['loss']):.4f} type={type(trainer.strategy).__name__}\n")
+                     f"loss={float(trainer.callback_metrics['loss']):.4f} type={type(trainer.strategy).__name__}\\n")
     sys.stdout.flush()
 '''
 
