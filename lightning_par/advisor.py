@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_par import comm_model
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.activations import Shape, dtypes
 from lightning_par.estimate import GIB, MemoryEstimate, bytes_per_param, estimate, layout
 
 TILES = (2, 4, 8, 16, 32, 64)
@@ -154,7 +154,7 @@ def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, mic
                                           micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule,
                                           expert_params=experts,
                                           data_parallel=lay.get("data_parallel", "replicate"),
-                                          activation_bytes=4 if kw["precision"].startswith("32") else 2,
+                                          activation_bytes=dtypes(kw["precision"])[0],  # the experts' compute dtype
                                           recompute=bool(kw["checkpointing"]))
     except ValueError:
         comm = {}

@@ -106,6 +106,7 @@ def sweep_safe_overrides(argv: list[str]) -> list[str]:
     lacks is a ``ConfigError`` naming that config (a ``++`` would hand it an option it does not take).
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
     from hydra.errors import HydraException
     from hydra.types import RunMode
 
@@ -121,19 +122,18 @@ def sweep_safe_overrides(argv: list[str]) -> list[str]:
     options = _option_lister(args)
     swept = {o.key_or_group: list(o.sweep_string_iterator()) for o in overrides
              if o.is_choice_sweep() and o.package is None and options(o.key_or_group)}
-    plain = [o for o in overrides if o.type.name == "CHANGE" and not o.is_sweep_override()
+    plain = [o for o in overrides if o.type == OverrideType.CHANGE and not o.is_sweep_override()
              and o.key_or_group.split(".")[0] in swept and "." in o.key_or_group]
     if not plain:
         return argv
-    loader, config_name = _config_loader(args), args.config_name or CONFIG_NAME
+    loader, config_name, searchpath = _config_loader(args), args.config_name or CONFIG_NAME, _searchpath_overrides(args)
     rewrite = {}
     for o in plain:
         group, key = o.key_or_group.split(".", 1)
         for name in swept[group]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cfg = loader.load_configuration(config_name, [f"{group}={name}", *_searchpath_overrides(args)],
-                                                run_mode=RunMode.RUN)
+                cfg = loader.load_configuration(config_name, [f"{group}={name}", *searchpath], run_mode=RunMode.RUN)
             if OmegaConf.select(cfg[group], key, default=_MISSING) is _MISSING:
                 raise ConfigError(f"{o.key_or_group}: {group}={name} has no option {key!r} "
                                   f"(swept: {', '.join(swept[group])}); sweep only configs that have it")
