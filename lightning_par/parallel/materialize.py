@@ -85,16 +85,23 @@ def default_init(module: nn.Module) -> None:
 
 @torch.no_grad()
 def materialize(module: nn.Module, *, device: torch.device, templates: dict[str, nn.Module], seed: int,
-                init_fn: InitFn | None = None) -> int:
+                init_fn: InitFn | None = None, param_device: torch.device | None = None) -> int:
     """Allocate ``module``'s local tensors on ``device`` and fill them from the seeded group inits.
 
     ``module`` may be sharded (FSDP2, DTensor TP) or hold only some groups (a pipeline rank);
     groups with no tensor on this rank are skipped without being built. Returns the number of
-    tensors filled; raises if a local tensor got no value.
+    tensors filled; raises if a local tensor got no value. ``param_device`` (default ``device``)
+    places the parameters apart from the buffers: FSDP2's CPU offload wants its parameter shards in
+    host memory, while buffers (masks, rotary tables) stay on the compute device (as torchtitan does).
     """
     init = init_fn or default_init
     ties = tied_parameters(module)
-    module.to_empty(device=device)
+    module.to_empty(device=param_device or device)
+    if param_device is not None and torch.device(param_device) != torch.device(device):
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None:
+                    sub._buffers[name] = torch.empty_like(buf, device=device)
     retie(module, ties)  # to_empty gives each use of a shared parameter its own tensor
     targets: dict[str, torch.Tensor] = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:

@@ -165,7 +165,9 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                        param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
                        prefetch=fs.prefetch, ignored_params=ignored)
     if templates is not None:                                                            # 7. materialise
-        n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn)
+        offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload
+        n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn,
+                        param_device=torch.device("cpu") if offload else None)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
     return stages
 
