@@ -7,7 +7,9 @@ the ``lp_*`` names). Two models: ``Eager`` builds its layers in ``__init__`` (re
 seed on every rank); ``Deferred`` builds them in ``configure_model`` (on the meta device under
 lightning_par's strategies, materialised by the strategy with the layers' own ``reset_parameters``
 and seeded per init group, so its weights do not depend on the strategy). Neither declares a plan:
-the FSDP / checkpointing units are found by the "repeated children" rule.
+the FSDP / checkpointing units are found by the "repeated children" rule. Some tensors are set by
+nothing but the constructor (a layer-scale gain, a shift made with ``torch.randn``, a constant
+buffer): under meta-device init they must come out as the constructor made them.
 
 One script run trains several strategies one after another in the same processes (Lightning
 spawns the second rank once), so the whole module costs a few process starts.
@@ -41,12 +43,24 @@ SCRIPT = textwrap.dedent('''
             self.norm = nn.LayerNorm(d)
             self.fc1 = nn.Linear(d, 4 * d)
             self.fc2 = nn.Linear(4 * d, d)
+            self.gain = nn.Parameter(torch.full((d,), 0.5))  # layer scale: no reset_parameters sets it
 
         def forward(self, x):
-            return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+            return x + self.gain * self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+    class Stem(nn.Module):
+        """Tensors made directly, as a ViT's cls token: nothing but the constructor sets them."""
+        def __init__(self, d):
+            super().__init__()
+            self.shift = nn.Parameter(torch.randn(12) * 0.02)
+            self.register_buffer("scale", torch.full((12,), 2.0))
+            self.proj = nn.Linear(12, d)
+
+        def forward(self, x):
+            return self.proj((x + self.shift) * self.scale)
 
     def layers(d, n_classes):
-        return nn.Sequential(nn.Linear(12, d), *[Block(d) for _ in range(3)], nn.Linear(d, n_classes))
+        return nn.Sequential(Stem(d), *[Block(d) for _ in range(3)], nn.Linear(d, n_classes))
 
     class Eager(L.LightningModule):
         def __init__(self, d=32):
@@ -76,7 +90,14 @@ SCRIPT = textwrap.dedent('''
 
     class Losses(L.Callback):
         def __init__(self):
-            self.values = []
+            self.values, self.init = [], {}
+
+        def on_train_start(self, trainer, module):
+            full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+            stem, gain = module.body[0], full(module.body[1].gain)
+            self.init = {"scale": full(stem.scale).tolist(), "gain": sorted(set(gain.tolist())),
+                         "shift_std": float(full(stem.shift).std()), "finite": all(
+                             bool(full(p).isfinite().all()) for p in [*module.parameters(), *module.buffers()])}
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             # the global-batch mean: ranks hold equal slices, so the mean of their means
@@ -93,7 +114,7 @@ SCRIPT = textwrap.dedent('''
                             callbacks=[losses], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(model_cls(), DataLoader(data, batch_size=batch, shuffle=False))
-        return losses.values
+        return {"losses": losses.values, "init": losses.init}
 
     STEPS = 12
     out, devices, model_name, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
@@ -132,14 +153,19 @@ def test_own_lightning_module_every_data_parallel_strategy(tmp_path: Path, model
     # strategy on one device. Eager weights come from the module itself, so Lightning's own
     # DDPStrategy is the reference; deferred weights come from lightning_par's init.
     ref_name = "ddp" if model == "eager" else "lp_ddp"
-    ref = run_script(tmp_path, 1, model, [ref_name])[ref_name]
+    ref_run = run_script(tmp_path, 1, model, [ref_name])[ref_name]
+    ref = ref_run["losses"]
     assert ref[-1] < ref[0]  # it learns
     two = run_script(tmp_path, 2, model, DATA_PARALLEL)
-    for name in DATA_PARALLEL:
-        assert_parity(two[name], ref, f"{model} {name} x2")
     four = run_script(tmp_path, 4, model, ["lp_hsdp", "lp_zero3"])
-    for name in ("lp_hsdp", "lp_zero3"):
-        assert_parity(four[name], ref, f"{model} {name} x4")
+    runs = [(f"{n} x2", two[n]) for n in DATA_PARALLEL] + [(f"{n} x4", four[n]) for n in ("lp_hsdp", "lp_zero3")]
+    for what, got in [(f"{ref_name} x1", ref_run), *runs]:
+        # what only the constructor set (deferred: replayed from its record, parallel/init_trace.py)
+        init = got["init"]
+        assert init["finite"] and init["scale"] == [2.0] * 12 and init["gain"] == [0.5], (model, what, init)
+        assert 0.005 < init["shift_std"] < 0.04, (model, what, init)
+    for what, got in runs:
+        assert_parity(got["losses"], ref, f"{model} {what}")
 
 
 MISUSE = textwrap.dedent('''

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_par.parallel.init_trace import InitTrace, TensorRef
 from lightning_par.parallel.ties import retie, tied_parameters
 from lightning_par.parallel.tiling import tile_sources
 
@@ -85,7 +86,8 @@ def default_init(module: nn.Module) -> None:
 
 @torch.no_grad()
 def materialize(module: nn.Module, *, device: torch.device, templates: dict[str, nn.Module], seed: int,
-                init_fn: InitFn | None = None, param_device: torch.device | None = None) -> int:
+                init_fn: InitFn | None = None, param_device: torch.device | None = None,
+                trace: InitTrace | None = None, refs: dict[str, TensorRef] | None = None) -> int:
     """Allocate ``module``'s local tensors on ``device`` and fill them from the seeded group inits.
 
     ``module`` may be sharded (FSDP2, DTensor TP) or hold only some groups (a pipeline rank);
@@ -93,7 +95,14 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
     tensors filled; raises if a local tensor got no value. ``param_device`` (default ``device``)
     places the parameters apart from the buffers: FSDP2's CPU offload wants its parameter shards in
     host memory, while buffers (masks, rotary tables) stay on the compute device (as torchtitan does).
+
+    Which value a tensor gets: the model's declared init (``init_fn``) where it sets the tensor; the
+    constructor's own value (``trace``, recorded while the model was built, ``init_trace.py``) for a
+    model without a declared init, or for what the declared init leaves unset; else the submodules'
+    ``reset_parameters()``. A host tensor starts filled with a sentinel (NaN), so a tensor that no
+    init sets and no recorded constructor call made is an error naming it, never garbage.
     """
+    declared = init_fn is not None
     init = init_fn or default_init
     ties = tied_parameters(module)
     module.to_empty(device=param_device or device)
@@ -114,12 +123,24 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
         if not any(n in targets or n in pieces for n in names):
             continue  # lives on another pipeline rank
         host = template.to_empty(device="cpu")
+        for t in [*host.parameters(), *host.buffers()]:
+            _fill_sentinel(t)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(group_seed(seed, path))
             for sub in host.modules():
                 init(sub)
+            wanted = {prefix + n: t for n, t in [*host.named_parameters(), *host.named_buffers()]
+                      if not declared or _unset(t)}
+            recorded = trace.replay({k: refs[k] for k in wanted if k in refs}) if trace and refs else {}
         for name, full in [*host.named_parameters(), *host.named_buffers()]:
             key = prefix + name
+            if key in recorded:
+                full = recorded[key]
+            elif _unset(full):
+                raise RuntimeError(
+                    f"materialize: {key} of shape {tuple(full.shape)} is set by no init function and its "
+                    "constructor's value was not recorded (build the model in configure_model or "
+                    "trainer.init_module(), or initialise it in reset_parameters())")
             if key in targets:
                 _copy_local(targets[key], full)
                 filled.add(key)
@@ -134,6 +155,22 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
     if missing:
         raise RuntimeError(f"materialize: no init group covers {missing[:3]}; its tensors would stay uninitialised")
     return len(filled)
+
+
+def _fill_sentinel(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _unset(t: torch.Tensor) -> bool:
+    """Still (partly) the sentinel: no init function set it (an integer tensor only when wholly so)."""
+    if t.numel() == 0 or t.dtype == torch.bool:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(t.isnan().any())
+    return bool((t == torch.iinfo(t.dtype).min).all())
 
 
 def _copy_local(target: torch.Tensor, full: torch.Tensor) -> None:

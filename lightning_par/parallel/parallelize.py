@@ -2,7 +2,8 @@
 
 Every strategy and every pipeline stage goes through ``parallelize(module, spec)``:
 
-0. remember how to initialise the model (meta copies of its init groups, ``materialize.py``), or,
+0. remember how to initialise the model (meta copies of its init groups, ``materialize.py``, and
+   where its tensors came from in the constructor's recorded calls, ``init_trace.py``), or,
    for a model built with real tensors, move it to the device;
 1. tile the layers named in ``spec.tiling`` (``tiling.py``: a large ``nn.Linear`` becomes k
    tiles computed in turn; each tile is checkpointed in step 4 and is an FSDP unit in step 6);
@@ -37,6 +38,7 @@ from lightning_par.parallel.checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.discovery import ResolvedPlan, init_groups
 from lightning_par.parallel.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
+from lightning_par.parallel.init_trace import InitTrace, tensor_refs
 from lightning_par.parallel.materialize import InitFn, capture_templates, has_meta_tensors, materialize
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_par.parallel.tiling import apply_tiling
@@ -83,6 +85,9 @@ class Techniques:
     init_fn: InitFn | None = None
     #: step 1: module path -> tile count (``tiling.py``), e.g. ``{"net.head.lm_head": 4}``
     tiling: dict[str, int] = field(default_factory=dict)
+    #: step 0: what the constructor did to the meta tensors (``init_trace.py``), replayed for the
+    #: tensors that no init function sets
+    init_trace: InitTrace | None = None
     #: step 2: takes the whole model, returns this rank's stage modules (sharing its submodules)
     cut: Callable[[nn.Module], list[nn.Module]] | None = None
     tensor_parallel: TensorParallel | None = None
@@ -117,6 +122,7 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
     plan = spec.plan.plan
     deferred = has_meta_tensors(module)
     templates = capture_templates(module, init_groups(module, plan.blocks)) if deferred else None
+    refs = tensor_refs(module) if deferred and spec.init_trace is not None else None
     if not deferred:
         module.to(spec.device)
 
@@ -167,7 +173,7 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
     if templates is not None:                                                            # 7. materialise
         offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn,
-                        param_device=torch.device("cpu") if offload else None)
+                        param_device=torch.device("cpu") if offload else None, trace=spec.init_trace, refs=refs)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
     return stages
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import gc
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from lightning_par import ConfigError
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
+from lightning_par.parallel.init_trace import InitTrace
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
 from lightning_par.parallel.tiling import check_tiling
@@ -133,9 +134,16 @@ class ParStrategyMixin:
         """Where ``configure_model()`` (and ``trainer.init_module()``) build the model: on the meta
         device unless ``empty_init=False``. ``setup`` applies the techniques to the meta model and
         then materialises only this rank's part with the model's own initialisation."""
-        device = nullcontext() if empty_init is False else torch.device("meta")
-        with device, self.precision_plugin.tensor_init_context():
+        if empty_init is False:
+            with self.precision_plugin.tensor_init_context():
+                yield
+            return
+        # record what the constructor does to the meta tensors: materialisation replays it for the
+        # tensors that no init function sets (a cls token, a constant buffer), see parallel/init_trace.py
+        trace = getattr(self, "_init_trace", None) or InitTrace()
+        with torch.device("meta"), self.precision_plugin.tensor_init_context(), trace.recording():
             yield
+        self._init_trace = trace
 
     def techniques(self, module: nn.Module, resolved: ResolvedPlan) -> dict[str, Any]:
         """This strategy's steps of ``parallelize`` beyond checkpointing and compile (``Techniques``
@@ -158,8 +166,9 @@ class ParStrategyMixin:
             # previous job's layout were reused for a tensor-parallel one and failed on its local shapes
             torch._dynamo.reset()
         seed = int(self.broadcast(torch.initial_seed() % (1 << 31)))  # one seed: the same weights on every rank
+        trace, self._init_trace = getattr(self, "_init_trace", None), None  # used once, then released
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
-                          activation_checkpointing=self.activation_checkpointing,
+                          init_trace=trace, activation_checkpointing=self.activation_checkpointing,
                           own_checkpointing=checkpointing_fn_of(module), **compile_fields(self.compile),
                           **self.techniques(module, resolved))
         tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
