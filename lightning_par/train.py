@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_par import ConfigError, facts
 from lightning_par.callbacks.guard import RunGuard, RunStopped
+from lightning_par.data.datamodules import ParDataModule
 from lightning_par.jobs import claim_run_dir, clear_failure, global_rank
 from lightning_par.parallel.contract import input_kind_of
 from lightning_par.parallel.elastic import init_elastic_process_group
@@ -91,10 +92,11 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
         except ValueError as e:
             raise ConfigError(str(e)) from None
         dims = strategy.dims_for(world)
-        micro = facts.micro_batch_size(int(cfg.data.global_batch_size), dims.dp,
-                                 int(cfg.trainer.get("accumulate_grad_batches", 1)))
+        declared = getattr(datamodule, "global_batch_size", None)  # a user's DataModule may have none
+        micro = facts.micro_batch_size(int(declared), dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1))) \
+            if declared else None
         check_batch = getattr(strategy, "validate_batch", None)  # e.g. pipelines: micro-batches must divide it
-        if callable(check_batch):
+        if callable(check_batch) and micro is not None:
             try:
                 check_batch(micro, world)
             except ValueError as e:
@@ -166,7 +168,10 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     world = validate(cfg, strategy, parts["model"], parts["datamodule"])
     if getattr(strategy, "single_process", False) and launched_externally() and global_rank() > 0:
         return None  # srun/torchrun started several tasks for a one-process strategy: rank 0 trains alone
-    trainer_kwargs: dict[str, Any] = {}
+    # lightning_par's data modules split the data along the strategy's data-parallel axis themselves;
+    # a user's DataModule gets Lightning's distributed sampler (the strategy gives the dp rank and size),
+    # never the same batches on every rank
+    trainer_kwargs: dict[str, Any] = {"use_distributed_sampler": not isinstance(parts["datamodule"], ParDataModule)}
     if world == 1:
         trainer_kwargs.update(devices=1, num_nodes=1)
     elif torchrun_world() is not None:

@@ -103,6 +103,7 @@ class MemoryMonitor(L.Callback):
         # needs just to hold its part of the model
         self._states = None
         self._peak_allocated = None
+        self.per_rank = []
         self._setup = {"setup_peak_rss": peak_rss_bytes(), "setup_peak_allocated": None}
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             self._setup["setup_peak_allocated"] = int(torch.cuda.max_memory_allocated(pl_module.device))
@@ -124,6 +125,13 @@ class MemoryMonitor(L.Callback):
             self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.finalize(trainer, pl_module)
+
+    def finalize(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Gather every rank's figures (a collective), once per fit: from ``on_fit_end``, or earlier
+        from ``RunSummary`` when it comes first in a user's callback list."""
+        if self.per_rank:
+            return
         if self._states is None:  # training never ran its end hook (e.g. no step): measure what is held now
             self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
         mine = {"rank": trainer.global_rank, **self._states, "peak_allocated": self._peak_allocated,

@@ -20,6 +20,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_par.callbacks.throughput import global_batch_of
+
 
 CONTRACT_KEYS = ("strategy", "world_size", "mesh", "model", "n_params", "precision", "global_batch_size", "steps",
                  "losses", "final_loss", "step_time_s", "samples_per_s", "tokens_per_s", "mfu", "memory", "bubble")
@@ -142,6 +144,8 @@ class RunSummary(L.Callback):
         losses = self._global_losses(trainer, pl_module)
         parts: dict[str, Any] = {}
         for cb in trainer.callbacks:
+            if cb is not self and callable(getattr(cb, "finalize", None)):  # whatever the callbacks' order
+                cb.finalize(trainer, pl_module)
             if cb is not self and hasattr(cb, "summary") and callable(cb.summary):
                 parts.update(cb.summary())
         strategy = trainer.strategy
@@ -149,7 +153,6 @@ class RunSummary(L.Callback):
         # what the strategy learnt about the model before sharding it (full parameter count, which
         # rule chose the FSDP / checkpointing units); absent under Lightning's own strategies
         facts = dict(getattr(strategy, "model_facts", None) or {})
-        dm = trainer.datamodule
         self.summary = {
             "strategy": self.strategy_name or type(strategy).__name__,
             "world_size": trainer.world_size,
@@ -159,7 +162,7 @@ class RunSummary(L.Callback):
             "units_rule": facts.get("units_rule"),
             "compile": compile_facts(facts.get("compiled_modules")),
             "precision": str(trainer.precision),
-            "global_batch_size": int(getattr(dm, "global_batch_size", 0) or 0) or None,
+            "global_batch_size": global_batch_of(trainer),
             "steps": len(losses),
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
@@ -191,7 +194,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if st:
         extra = f"  {s['tokens_per_s']:.0f} tokens/s" if s.get("tokens_per_s") else ""
         mfu = f"  MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""
-        lines.append(f"step {1000 * st:.1f} ms  {s['samples_per_s']:.1f} samples/s{extra}{mfu}")
+        samples = f"  {s['samples_per_s']:.1f} samples/s" if s.get("samples_per_s") else ""
+        lines.append(f"step {1000 * st:.1f} ms{samples}{extra}{mfu}")
     if s.get("bubble"):
         b = s["bubble"]
         lines.append(f"pipeline bubble measured {b.get('measured', 0):.3f}  theory {b.get('theory', 0):.3f}")

@@ -69,6 +69,26 @@ def model_flops_per_batch(pl_module: L.LightningModule, batch_size: int) -> int 
     return int(measure_flops(net, lambda: net(x), lambda y: y.float().sum()))
 
 
+def global_batch_of(trainer: L.Trainer) -> int | None:
+    """Samples per optimizer step over all data-parallel ranks: the data module's
+    ``global_batch_size`` (lightning_par's data modules), else the training loader's batch size times
+    the data-parallel size and gradient accumulation (a user's DataModule or plain DataLoader, once
+    the loaders exist); None when neither is known."""
+    declared = getattr(trainer.datamodule, "global_batch_size", None)
+    if declared:
+        return int(declared)
+    loader = getattr(trainer.fit_loop, "_combined_loader", None)
+    loader = loader.iterables if loader is not None else None
+    batch = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if not batch:
+        return None
+    try:
+        dp = int(trainer.strategy.distributed_sampler_kwargs.get("num_replicas", trainer.world_size))
+    except (AttributeError, TypeError):  # strategies without data-parallel ranks
+        dp = trainer.world_size
+    return int(batch) * dp * int(trainer.accumulate_grad_batches)
+
+
 class ThroughputMonitor(L.Callback):
     """Step time, samples/s, tokens/s and MFU.
 
@@ -107,17 +127,20 @@ class ThroughputMonitor(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dm = trainer.datamodule
-        self.global_batch_size = int(getattr(dm, "global_batch_size", 0) or 0)
         self.tokens_per_sample = int(getattr(dm, "seq_len", 0) or 0) if getattr(dm, "kind", "") == "tokens" else 0
         self.world_size = trainer.world_size
         self.windows, self._open = [], None
         self._step_seen = self._start_step = trainer.global_step
         self._cuda = pl_module.device if pl_module.device.type == "cuda" else None
         self._every = int(self.every_n_steps or 10) if self._cuda is not None else 1
-        if self.global_batch_size:
-            self.flops_per_step = model_flops_per_batch(pl_module, self.global_batch_size)
         self.matmul_dtype = matmul_dtype(trainer)
         self.peak_flops_per_rank = peak_flops_per_device(pl_module.device, self.matmul_dtype, self.peak_tflops)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the loaders exist from here on: a plain DataLoader's batch size is known
+        self.global_batch_size = global_batch_of(trainer) or 0
+        if self.global_batch_size:
+            self.flops_per_step = model_flops_per_batch(pl_module, self.global_batch_size)
 
     def _now(self) -> float:
         if self._cuda is not None:
