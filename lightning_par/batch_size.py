@@ -89,13 +89,14 @@ def search(fits: Any, seed: int, limit: int) -> int:
 def estimator_seed(cfg: DictConfig, model: Any, strategy: str, world: int, cap: int | None, limit: int) -> int:
     """The largest power of two whose estimated per-rank memory fits ``cap`` (1 without a cap or a model
     shape the estimator knows)."""
+    from lightning_par.dtypes import canonical_precision
     from lightning_par.estimate import Shape, estimate
 
     config = getattr(model, "config", None)
     if cap is None or cap <= 0 or config is None or not hasattr(config, "n_params"):
         return 1
     shape = Shape(config.n_layer, config.n_embd, config.n_head, config.vocab_size, int(model.seq_len))
-    precision = str(cfg.trainer.get("precision", "32-true"))
+    precision = canonical_precision(cfg.trainer.get("precision", "32-true"))  # Lightning's short forms too
     m = 1
     try:
         while 2 * m <= limit and estimate(config.n_params, devices=world, strategy=strategy, precision=precision,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_par.dtypes import short_name
+
 _T = 1e12
 #: (name patterns, lower-case substrings of torch.cuda.get_device_name, all must match) -> peaks
 DENSE_PEAKS: list[tuple[tuple[str, ...], dict[str, float]]] = [
@@ -26,13 +28,10 @@ DENSE_PEAKS: list[tuple[tuple[str, ...], dict[str, float]]] = [
     (("l40s",), {"bf16": 362 * _T, "fp16": 362 * _T, "tf32": 183 * _T, "fp32": 91.6 * _T}),
 ]
 
-_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
 def dense_peak_flops(device_name: str, dtype: torch.dtype, *, tf32: bool = False) -> float | None:
     """The dense peak of ``device_name`` for matmuls in ``dtype`` from our table, else None."""
     name = device_name.lower()
-    key = _KEYS.get(dtype)
+    key = short_name(dtype)  # bf16, fp16, fp32 (fp64 and others: no entry)
     if key == "fp32" and tf32:
         key = "tf32"
     for patterns, peaks in DENSE_PEAKS:

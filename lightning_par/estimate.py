@@ -28,6 +28,7 @@ from typing import Any
 from lightning_par.costs.activations import Shape
 from lightning_par.costs.peak import Layout, step_peak
 from lightning_par.costs.states import OPTIMIZERS, PRECISIONS, bytes_per_param, check, optimizer_state_bytes
+from lightning_par.dtypes import canonical_precision, dtype_bytes, parse_dtype
 
 __all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "SHARDING", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
            "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes",
@@ -251,9 +252,6 @@ def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
     return shape.units()["total"], shape
 
 
-_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
-
-
 def run_estimate(cfg: Any) -> str:
     """``python run.py mode=estimate ...``: the table for the run's config, and ``estimate.json``.
 
@@ -272,7 +270,7 @@ def run_estimate(cfg: Any) -> str:
     try:
         n = facts.world_size(cfg)
         precision = str(cfg.trainer.get("precision", "32-true"))
-        precision = _PRECISION_ALIASES.get(precision, precision)
+        precision = canonical_precision(precision)  # Lightning's short forms: bf16 -> bf16-mixed
         optimizer = str(cfg.model.get("optimizer", "adamw"))
         device = str(opts.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda"))
         strategy, tiling = facts.strategy_of(cfg.strategy)
@@ -322,11 +320,11 @@ def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int])
     base = layout(name, dims.world_size, tp=dims.tp, pp=dims.pp, replicate=dims.dp_replicate if
                   SHARDING[name] and SHARDING[name][2] == "fsdp" and name != "expert_parallel" else 1,
                   data_parallel=getattr(strategy, "data_parallel", "fsdp"), ep=dims.ep)
-    pd = getattr(strategy, "param_dtype", None)
+    pd = getattr(strategy, "param_dtype", None)  # FSDP mixed precision: bf16 gathers move 2 bytes per parameter
     n_micro = getattr(strategy, "_n_microbatches", None)
     return replace(base, offload=base.offload or bool(getattr(strategy, "cpu_offload", False)),
                    prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
-                   gather_bytes=getattr(pd, "itemsize", None) if pd is not None else None,
+                   gather_bytes=dtype_bytes(parse_dtype(pd, "param_dtype")) if pd else None,
                    schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,
                    virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),

@@ -34,24 +34,30 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import measure_flops
 
+from lightning_par import dtypes
 from lightning_par.devices import peak_flops_per_device
 from lightning_par.loggers import logs_this_step
 
-_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
-
-def precision_dtype(precision: str) -> torch.dtype:
-    return _DTYPES.get(str(precision).split("-")[0], torch.float32)
+def precision_dtype(precision: str | int) -> torch.dtype:
+    """The dtype matmuls run in under a Lightning precision (``lightning_par/dtypes.py``); fp32 for
+    one the table lacks (e.g. bitsandbytes' ``nf4``)."""
+    try:
+        return dtypes.precision(precision).compute
+    except ValueError:
+        return torch.float32
 
 
 def matmul_dtype(trainer: L.Trainer) -> torch.dtype:
     """The dtype the model's matmuls run in: FSDP mixed precision's ``param_dtype`` if the strategy
-    has one, else what the trainer's precision computes in (bf16-mixed: bf16, 32-true: fp32)."""
+    has one (any spelling of ``lightning_par/dtypes.py``: bf16, bfloat16, torch.bfloat16 ...), else
+    what the trainer's precision computes in (bf16-mixed: bf16, 32-true: fp32)."""
     param_dtype = getattr(trainer.strategy, "param_dtype", None)
-    if isinstance(param_dtype, torch.dtype):
-        return param_dtype
     if param_dtype:
-        return precision_dtype(str(param_dtype).removeprefix("fp"))
+        try:
+            return dtypes.to_dtype(param_dtype, "param_dtype")
+        except ValueError:  # not ours to refuse here (the strategy checks its own options)
+            pass
     return precision_dtype(trainer.precision)
 
 

@@ -38,14 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-#: precision -> (compute dtype bytes, residual / parameter dtype bytes, autocast weight copies)
-_DTYPES = {
-    "32-true": (4, 4, False),
-    "bf16-mixed": (2, 4, True),
-    "16-mixed": (2, 4, True),
-    "bf16-true": (2, 2, False),
-    "paper-mixed": (2, 2, False),
-}
+from lightning_par import dtypes as _dtypes
+from lightning_par.costs.states import PRECISIONS, check
 
 
 @dataclass(frozen=True)
@@ -150,9 +144,11 @@ def _unit_params(shape: Shape) -> tuple[tuple[str, int], ...]:
 
 
 def dtypes(precision: str) -> tuple[int, int, bool]:
-    if precision not in _DTYPES:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(_DTYPES)}")
-    return _DTYPES[precision]
+    """(compute dtype bytes, residual / parameter dtype bytes, autocast weight copies) of one of the
+    estimator's precisions (``costs/states.py``; dtypes from ``lightning_par/dtypes.py``)."""
+    check(precision, PRECISIONS, "precision")
+    pr = _dtypes.precision(precision)
+    return _dtypes.dtype_bytes(pr.compute), _dtypes.dtype_bytes(pr.param), pr.autocast
 
 
 def attention_kernel(shape: Shape, device: str = "cuda") -> str:

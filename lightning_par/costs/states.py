@@ -18,19 +18,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from lightning_par import dtypes
+
+#: the precisions the estimator models (their dtypes: ``lightning_par/dtypes.py``)
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "paper-mixed")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
 BLOCK_8BIT = 256  # torchao AdamW8bit's default block_size
 MIN_8BIT = 4096  # torchao quantises only tensors of at least this many elements
 
-# precision -> (param bytes, grad bytes, bytes per optimizer-state element, master-copy bytes)
-_LAYOUT = {
-    "32-true": (4, 4, 4, 0),
-    "bf16-mixed": (4, 4, 4, 0),
-    "16-mixed": (4, 4, 4, 0),
-    "bf16-true": (2, 2, 2, 0),
-    "paper-mixed": (2, 2, 4, 4),
-}
+
+def _layout(precision: str) -> tuple[int, int, int, int]:
+    """(param bytes, grad bytes, bytes per optimizer-state element, master-copy bytes): gradients in
+    the parameters' dtype, optimizer state in the master copy's if there is one, else the parameters'."""
+    pr = dtypes.precision(precision)
+    p = dtypes.dtype_bytes(pr.param)
+    master = dtypes.dtype_bytes(pr.master) if pr.master is not None else 0
+    return p, p, master or p, master
+
+
 _STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "adamw8bit": 2}
 
 
@@ -44,7 +49,7 @@ def bytes_per_param(precision: str, optimizer: str = "adamw") -> tuple[float, fl
     adamw8bit: 2 x (1 + 4/256) for the bulk of the parameters (see ``optimizer_state_bytes``)."""
     check(precision, PRECISIONS, "precision")
     check(optimizer, OPTIMIZERS, "optimizer")
-    p, g, s, master = _LAYOUT[precision]
+    p, g, s, master = _layout(precision)
     if optimizer == "adamw8bit":
         return p, g, master + 2 * (1 + 4 / BLOCK_8BIT)
     return p, g, master + _STATE_ELEMENTS[optimizer] * s
@@ -61,7 +66,7 @@ def optimizer_state_bytes(n_params: int, optimizer: str, precision: str = "32-tr
     p, _, k = bytes_per_param(precision, optimizer)
     if optimizer != "adamw8bit" or tensor_numels is None:
         return int(round(n_params * k))
-    master = _LAYOUT[precision][3]
+    master = _layout(precision)[3]
     total = 0
     for numel in tensor_numels:
         if numel >= MIN_8BIT and numel % BLOCK_8BIT == 0:
