@@ -44,12 +44,15 @@ class ParallelPlan:
       (``colwise``, ``rowwise``, ``embedding``, ``output``, ``sequence_parallel``, ``position``,
       ``replicate``).
     - ``tp_divisible``: sizes the tensor-parallel degree must divide (heads, hidden, vocabulary).
+    - ``tp_refusal``: why a plan the model declares cannot be used (one line naming the style and
+      the model), given instead of ``tp_plan``; tensor parallelism refuses with it.
     """
 
     layers: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ()
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_divisible: dict[str, int] = field(default_factory=dict)
+    tp_refusal: str = ""
 
     def prefixed(self, prefix: str) -> "ParallelPlan":
         if not prefix:

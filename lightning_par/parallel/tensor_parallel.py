@@ -56,9 +56,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from lightning_par.parallel.ties import retie, tied_parameters
+
 log = logging.getLogger(__name__)
 
-STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "position", "replicate")
+STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "position", "replicate",
+          "colwise_gather", "rowwise_split", "embedding_colwise", "replicate_local_heads")
 
 
 def check_tp_divisible(tp: int, divisible: dict[str, int]) -> None:
@@ -124,6 +127,20 @@ class ReplicateParallel(ParallelStyle):
                                  partial(self._output, self.shard_dim))
 
 
+class LocalHeadsReplicate(ReplicateParallel):
+    """Style ``replicate_local_heads`` (transformers' ``replicated_with_grad_allreduce``): a module with
+    replicated parameters (a per-head q/k norm) applied to this rank's heads, ``(..., heads, head_dim)``
+    after a colwise split. Its input is read as sharded on the heads dim, so the parameters' gradient
+    -- a sum over this rank's heads only -- is all-reduced over the tensor-parallel ranks by DTensor;
+    the output is this rank's heads again."""
+
+    @staticmethod
+    def _inputs(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim >= 3 else x
+                     for x in inputs)
+
+
 class ReplicatedSequenceParallel(SequenceParallel):
     """torch's ``SequenceParallel``, but its replicated parameters are broadcast from tensor-parallel
     rank 0 (torch's version assumes every rank already holds identical LayerNorm weights)."""
@@ -150,6 +167,14 @@ def _style(name: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None:
         return ReplicatedSequenceParallel() if sp else None
     if name == "replicate":
         return ReplicateParallel()
+    if name == "colwise_gather":
+        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
+    if name == "rowwise_split":  # a replicated input, split locally (no communication) to match the rows
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    if name == "embedding_colwise":  # ColwiseParallel on an nn.Embedding splits the hidden columns
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    if name == "replicate_local_heads":
+        return LocalHeadsReplicate()
     if name == "position":
         return ReplicateParallel(shard_dim=-2 if sp else None)  # (T, C) or (B, T, C): T is dim -2
     raise ValueError(f"unknown tensor-parallel style {name!r}; expected one of {', '.join(STYLES)}")
@@ -228,8 +253,10 @@ def apply_tensor_parallel(
         for owner in dict.fromkeys(p.rpartition(".")[0] for p, s in applied.items() if s == "colwise"):
             styles[owner] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
 
+    ties = tied_parameters(model)  # one weight used by two modules (tied input/output embeddings)
     for path, style in styles.items():
         parallelize_module(model.get_submodule(path) if path else model, tp_mesh, style)
+    _retie_split(model, ties)
 
     # modules still holding plain parameters: replicate leaf modules (exact when their inputs are
     # replicated, which holds everywhere outside the colwise->rowwise pairs without SP)
@@ -246,6 +273,23 @@ def apply_tensor_parallel(
              tp_mesh.size(), len(applied), ", ".join(sorted(set(applied.values()))), sequence_parallel,
              loss_parallel)
     return applied
+
+
+def _retie_split(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """Each style replaced its module's parameters with a DTensor of its own, so a shared weight is now
+    two. Where both uses split it the same way (the vocabulary-split embedding and LM head are both
+    ``Shard(0)`` of the ``(vocab, hidden)`` table, as in Megatron-LM), the second use takes the first's
+    DTensor again: one parameter, its gradient the sum of both uses. Otherwise one line: two copies
+    would train apart."""
+    for src, dst in ties:
+        a, b = model.get_parameter(src), model.get_parameter(dst)
+        if a is b:
+            continue
+        place = [tuple(x.placements) if isinstance(x, DTensor) else "plain" for x in (a, b)]
+        if place[0] != place[1] or a.shape != b.shape:
+            raise ValueError(f"{src} and {dst} share one weight, but tensor parallelism splits them differently "
+                             f"({place[0]} vs {place[1]}); split both uses alike in the tp_plan or use tp=1")
+        retie(model, [(src, dst)])
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:

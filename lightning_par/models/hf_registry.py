@@ -1,0 +1,47 @@
+"""transformers' own registry of causal language models, and a tiny config for any of them.
+
+``causal_lm_types()`` lists every ``model_type`` that ``AutoModelForCausalLM`` knows (read from
+transformers at run time, never a list written here); ``tiny_config(model_type)`` builds that
+family's config with small sizes (two layers, hidden 64, four heads, 256 tokens), passing the sizes
+to the config's own constructor so that what it derives from them (layer types, head dims, expert
+counts) stays consistent. Used by the registry-walking tests and by anyone who wants a model of a
+family without downloading one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: sizes handed to every config's constructor (a family ignores those it has no field for)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=128, moe_intermediate_size=32,
+            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+            shared_expert_intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False, use_cache=False,
+            # rotary and multi-head latent attention sizes that fit a head of 16
+            rotary_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32)
+
+
+def causal_lm_types() -> list[str]:
+    """Every ``model_type`` in transformers' ``AutoModelForCausalLM`` mapping, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def default_config(model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type)
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The family's config at the ``TINY`` sizes (plus ``overrides``)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**TINY, **overrides})
+
+
+def declared_tp_plan(model_type: str) -> dict[str, str]:
+    """The base model's tensor-parallel plan the family's config declares ({} for none)."""
+    return dict(getattr(default_config(model_type), "base_model_tp_plan", None) or {})
