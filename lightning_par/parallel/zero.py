@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from lightning_par import ConfigError
+
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -83,6 +85,10 @@ class Zero2Optimizer(torch.optim.Optimizer):
 
     Limits: one dtype and device for all parameters; no sparse gradients; the full ``.grad``s
     exist between backward and ``step()`` (DeepSpeed reduces bucket by bucket during backward).
+    A parameter without gradient on *some* ranks is right (its gradient there is zero, as the
+    samples' share of it is); one without gradient on *every* rank in a step (unused, or in a branch
+    not taken that step) is refused: torch's optimizers skip it, but the inner optimizer steps the
+    whole flat shard and would move it (momentum, weight decay) and count the step for it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, process_group=None,
@@ -150,6 +156,7 @@ class Zero2Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._push_hyperparameters()
+        self._refuse_globally_unused()
         full = torch.zeros_like(self.flat)  # temporary: this rank's un-reduced gradient
         for p, off in zip(self._params, self._offsets):
             if p.grad is not None:
@@ -168,6 +175,21 @@ class Zero2Optimizer(torch.optim.Optimizer):
         mine = self.flat[lo_r:lo_r + self.shard_size].clone()  # gathering into its own input is unsafe
         _all_gather(self.flat, mine, group=self.process_group)
         return loss
+
+    def _refuse_globally_unused(self) -> None:
+        """One small all-reduce (a count per parameter): stop, in one line on every rank, when a parameter
+        got a gradient on no rank. Skipping it exactly would need per-parameter optimizer steps (Adam's
+        step count is one per inner tensor); DistributedDataParallel without find_unused_parameters
+        stops on the same models."""
+        has = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32, device=self.flat.device)
+        dist.all_reduce(has, group=self.process_group)
+        unused = [self._fqns[i] for i in (has == 0).nonzero().flatten().tolist()]
+        if unused:
+            shown = ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else "")
+            raise ConfigError(f"zero2: parameter(s) {shown} got no gradient on any rank in a training step (unused, "
+                              "or in a branch not taken every step), which zero2's flat optimizer shard cannot skip "
+                              "as torch's optimizers do; use zero3 or fsdp, or zero1 / ddp with "
+                              "find_unused_parameters=True")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params:

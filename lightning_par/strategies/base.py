@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -41,6 +42,7 @@ from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, 
 from lightning_par.parallel.init_trace import InitTrace
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
+from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_par.parallel.tiling import check_tiling
 from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
@@ -78,6 +80,25 @@ def destroy_process_group_at_exit() -> None:
     atexit.register(_destroy_process_group)
 
 
+class GlobalSyncBatchNorm(LayerSync):
+    """Lightning ``LayerSync`` plugin for lightning_par's device-agnostic synchronized BatchNorm
+    (``parallel/sync_batchnorm.py``) over the group ``group_fn()`` returns (None: the default group),
+    resolved when applied (the process group does not exist yet when the Trainer is built)."""
+
+    def __init__(self, group_fn: Any = None) -> None:
+        self.group_fn = group_fn
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return convert_sync_batchnorm(model, self.group_fn() if self.group_fn is not None else None)
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        return revert_sync_batchnorm(model)
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
 class ParStrategyMixin:
     """Mixed into a Lightning ``Strategy`` subclass (it must come first in the bases)."""
 
@@ -96,6 +117,45 @@ class ParStrategyMixin:
     #: memory-centric tiling: module path -> tile count (``parallel/tiling.py``); the app sets it from
     #: ``strategy.tiling``, a user's own Trainer by ``strategy.tiling = {...}`` before ``fit``
     tiling: dict[str, int] = {}
+    #: BatchNorm statistics over the data-parallel ranks (the strategy's own option; ``Trainer(sync_batchnorm=True)``
+    #: turns it on too, through Lightning's ``_layer_sync``)
+    sync_batchnorm: bool = False
+
+    # ------------------------------------------------------------------ synchronized BatchNorm
+    # Lightning's trainer sets ``strategy._layer_sync`` from ``Trainer(sync_batchnorm=...)`` (torch's
+    # SyncBatchNorm plugin, or None): it is kept as the trainer's wish, and the plugin returned is ours
+    # (torch's refuses CPU modules, and only knows the whole world as its group), unless the trainer was
+    # given some other ``LayerSync`` plugin, which is used as it is.
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        given = self.__dict__.get("_trainer_layer_sync")
+        if given is not None and not isinstance(given, TorchSyncBatchNorm):
+            return given
+        return self.layer_sync_plugin() if self.wants_sync_batchnorm() else None
+
+    def wants_sync_batchnorm(self) -> bool:
+        """The strategy's option or ``Trainer(sync_batchnorm=True)`` (answerable before launch: builds no plugin)."""
+        return bool(getattr(self, "sync_batchnorm", False)) or self.__dict__.get("_trainer_layer_sync") is not None
+
+    @_layer_sync.setter
+    def _layer_sync(self, value: LayerSync | None) -> None:
+        self.__dict__["_trainer_layer_sync"] = value
+
+    def layer_sync_plugin(self) -> LayerSync:
+        """The plugin that synchronizes BatchNorm under this strategy."""
+        return GlobalSyncBatchNorm(self.sync_batchnorm_group)
+
+    def sync_batchnorm_group(self) -> Any:
+        """The process group of the data-parallel ranks, the ranks that read different samples (None:
+        the default group, when every rank is one). Strategies with model-parallel axes override it."""
+        dims = self.parallel_dims
+        if dims.dp != dims.world_size:  # pragma: no cover - a strategy with pp/tp axes must override this
+            raise NotImplementedError(f"{type(self).__name__}: no data-parallel group for sync_batchnorm")
+        return None
+
+    def check_sync_batchnorm(self, world_size: int, module: nn.Module) -> None:
+        """Raise ``ValueError`` (one line) where synchronized BatchNorm cannot give ``module`` the
+        statistics of the global batch under this strategy; nothing by default."""
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:
@@ -109,6 +169,8 @@ class ParStrategyMixin:
         ``setup`` (before any collective) for a strategy used from a user's own ``Trainer``.
         """
         self.dims_for(world_size).validate(world_size)
+        if self.wants_sync_batchnorm():
+            self.check_sync_batchnorm(world_size, module)
         if self.activation_checkpointing and not resolve_plan(module).plan.blocks:
             raise ValueError(f"{type(self).__name__}: activation_checkpointing found no blocks in "
                              f"{type(module).__name__} (no declared plan, no repeated children, no large submodule)")
@@ -235,12 +297,14 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
         activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
+        sync_batchnorm: BatchNorm statistics over the data-parallel ranks (as ``Trainer(sync_batchnorm=True)``).
     """
 
     def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.activation_checkpointing = activation_checkpointing
+        self.sync_batchnorm = sync_batchnorm
 
     def dims_for(self, world_size: int) -> ParallelDims:
         return ParallelDims(dp_shard=world_size)
@@ -264,9 +328,25 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
         rank, size = dp_coordinates(self._device_mesh, self.dims_for(self.world_size))
         return {"num_replicas": size, "rank": rank}
 
+    def apply_layer_sync(self, trainer: Any) -> None:
+        """``Trainer(sync_batchnorm=True)`` (or the strategy's option) when fitting: BatchNorm layers become
+        synchronized over the data-parallel group -- on the model as built (the meta model), before any
+        technique shards it, so FSDP shards the synchronized layers. Lightning's ``ModelParallelStrategy``
+        ignores ``_layer_sync``; its ``DDPStrategy`` applies it in ``setup`` as here."""
+        plugin = self._layer_sync
+        if plugin is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        try:
+            self.check_sync_batchnorm(self.world_size, self.lightning_module)
+        except ValueError as e:  # before any collective: the same one line on every rank
+            raise ConfigError(str(e)) from None
+        if self.parallel_dims.dp > 1:  # one data-parallel rank: its batch statistics are the batch's already
+            self.model = plugin.apply(self.model)
+
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        self.apply_layer_sync(trainer)
         self.prepare_model(self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -10,6 +10,7 @@ strategy-neutral checkpoints (``checkpoint.py``), so a DDP checkpoint resumes un
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
@@ -18,19 +19,14 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
-from lightning_par.strategies.base import ParStrategyMixin, destroy_process_group_at_exit
+from lightning_par import ConfigError
+from lightning_par.strategies.base import GlobalSyncBatchNorm, ParStrategyMixin, destroy_process_group_at_exit
 from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
+__all__ = ["DDPStrategy", "GlobalSyncBatchNorm"]
 
-class GlobalSyncBatchNorm(LayerSync):
-    """Lightning ``LayerSync`` plugin for lightning_par's device-agnostic synchronized BatchNorm."""
-
-    def apply(self, model: Module) -> Module:
-        return convert_sync_batchnorm(model)
-
-    def revert(self, model: Module) -> Module:
-        return revert_sync_batchnorm(model)
+# torch's reducer, at the forward after a backward in which some parameter got no gradient
+_UNUSED = "Expected to have finished reduction in the prior iteration"
 
 
 class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
@@ -58,18 +54,37 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
         self.sync_batchnorm = sync_batchnorm
         self.activation_checkpointing = activation_checkpointing
 
-    # Lightning's trainer overwrites ``_layer_sync`` from its own ``sync_batchnorm`` flag; keep ours on.
-    # torch's SyncBatchNorm refuses CPU modules, so on CPU the global-statistics BatchNorm of layer 1 is used.
-    @property
-    def _layer_sync(self) -> LayerSync | None:
-        wanted = self.sync_batchnorm or self.__dict__.get("_trainer_layer_sync") is not None
-        if not wanted:
-            return None
+    # ``sync_batchnorm`` / ``Trainer(sync_batchnorm=True)``: see ``ParStrategyMixin._layer_sync``. Every
+    # rank is a data-parallel rank, so the group is the default one. torch's SyncBatchNorm refuses CPU
+    # modules, so on CPU the global-statistics BatchNorm of layer 1 is used.
+    @override
+    def layer_sync_plugin(self) -> LayerSync:
         return TorchSyncBatchNorm() if self.root_device.type == "cuda" else GlobalSyncBatchNorm()
 
-    @_layer_sync.setter
-    def _layer_sync(self, value: LayerSync | None) -> None:
-        self.__dict__["_trainer_layer_sync"] = value
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)
+        except RuntimeError as e:
+            if _UNUSED not in str(e):
+                raise
+            raise ConfigError(self._unused_parameters_message(str(e))) from None
+
+    def _unused_parameters_message(self, torch_message: str) -> str:
+        """One line naming the parameters that got no gradient (torch gives their indices among the
+        module's trainable parameters, in ``named_parameters`` order) and lightning_par's option."""
+        names = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad
+                 and n not in getattr(self.model, "parameters_to_ignore", ())]
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", torch_message)
+        indices = [int(i) for i in found.group(1).split()] if found else []
+        which = [names[i] for i in indices if i < len(names)]
+        what = (f"parameter(s) {', '.join(which[:5])}{' ...' if len(which) > 5 else ''}" if which
+                else "some parameters")
+        cls = type(self).__name__
+        return (f"{self.strategy_name}: {what} got no gradient in a training step (unused in the loss, or in a "
+                f"branch not taken every step), which DistributedDataParallel must be told: use "
+                f"Trainer(strategy=lightning_par.strategies.{cls}(find_unused_parameters=True)), or "
+                f"strategy.find_unused_parameters=true in the lightning_par app")
 
     def validate_setup(self, world_size: int, module: Module) -> None:
         super().validate_setup(world_size, module)

@@ -18,26 +18,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
+from lightning_par.dtypes import parse_dtype  # the one dtype table (composite.py imports it from here)
 from lightning_par.parallel.discovery import ResolvedPlan
 from lightning_par.parallel.fsdp import resolve_units
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.parallel.parallelize import FullyShard
 from lightning_par.strategies.base import ShardedStrategy
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
-
-
-def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if str(value) not in _DTYPES:
-        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(_DTYPES)} or null")
-    return _DTYPES[str(value)]
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -61,6 +50,8 @@ class FSDPStrategy(ShardedStrategy):
         activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
+        sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``), the
+            layers converted on the meta model, before sharding.
     """
 
     strategy_name = "lp_fsdp"
@@ -68,9 +59,10 @@ class FSDPStrategy(ShardedStrategy):
     def __init__(self, units: str | int | Sequence[str] = "blocks", reshard_after_forward: bool = True,
                  prefetch: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = None,
                  cpu_offload: bool = False, replicate: int = 1, activation_checkpointing: bool = False,
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 sync_batchnorm: bool = False) -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         process_group_backend=process_group_backend, timeout=timeout, sync_batchnorm=sync_batchnorm)
         self.units = units if isinstance(units, (str, int)) else list(units)
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch

@@ -82,14 +82,15 @@ class Zero2Strategy(ShardedStrategy):
     Args:
         activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+        sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``).
     """
 
     strategy_name = "lp_zero2"
 
     def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False) -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         process_group_backend=process_group_backend, timeout=timeout, sync_batchnorm=sync_batchnorm)
 
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         super().validate_setup(world_size, module)
@@ -167,6 +168,7 @@ class Zero3Strategy(FSDPStrategy):
             in ``param_dtype``, gradients are reduced in ``reduce_dtype``. Or Lightning's
             ``trainer.precision`` (bf16-mixed: autocast over fp32 parameters).
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+        sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``).
     """
 
     strategy_name = "lp_zero3"
@@ -174,10 +176,11 @@ class Zero3Strategy(FSDPStrategy):
 
     def __init__(self, activation_checkpointing: bool = False, param_dtype: str | None = None,
                  reduce_dtype: str | None = None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False) -> None:
         super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=self._offload,
                          activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype, process_group_backend=process_group_backend, timeout=timeout)
+                         reduce_dtype=reduce_dtype, process_group_backend=process_group_backend, timeout=timeout,
+                         sync_batchnorm=sync_batchnorm)
 
 
 class Zero3OffloadStrategy(Zero3Strategy):
