@@ -14,12 +14,17 @@ inside a node while only the replicas talk across nodes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from lightning_par.parallel.ties import tied_parameters
+
+log = logging.getLogger(__name__)
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -93,6 +98,24 @@ def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[dp] if dp != tuple(names) else mesh
 
 
+def keep_ties_whole(model: nn.Module, units: list[str]) -> list[str]:
+    """``units`` less those holding one use of a shared parameter whose other use lies outside them
+    (BERT's MLM decoder tied to its word embeddings, which ``_no_split_modules`` makes a unit): FSDP2
+    can shard a parameter in one unit only, so such a parameter is left to the enclosing unit (at
+    worst the root), which holds both uses."""
+    ties = tied_parameters(model)
+    if not ties:
+        return units
+
+    def inside(unit: str, name: str) -> bool:
+        return not unit or name.startswith(unit + ".")
+
+    dropped = {u for u in units for a, b in ties if inside(u, a) != inside(u, b)}
+    for unit in sorted(dropped):
+        log.info("fsdp: %s shares a parameter with a module outside it; left to the enclosing unit", unit)
+    return [u for u in units if u not in dropped]
+
+
 def apply_fsdp(
     model: nn.Module,
     *,
@@ -125,7 +148,7 @@ def apply_fsdp(
     """
     if prefetch < 0:
         raise ValueError(f"apply_fsdp: prefetch must be >= 0, got {prefetch}")
-    units = resolve_units(model, list(units))
+    units = keep_ties_whole(model, resolve_units(model, list(units)))
     dp_mesh = _dp_mesh(mesh)
     kwargs = dict(
         mesh=dp_mesh,
