@@ -1,16 +1,19 @@
 """A Hugging Face ``transformers`` causal language model, built from a config (never downloaded).
 
 ``HFCausalLM`` is a ``ParModule`` (same optimizer options and loss) around
-``AutoModelForCausalLM.from_config``: GPT-2, Llama, Qwen2 or Mistral at any size. Parallelism comes
+``AutoModelForCausalLM.from_config``: GPT-2, Llama, Qwen2, Mistral, Gemma-2 or Gemma-3 (text) at any
+size, with SDPA or eager attention. Parallelism comes
 from what the model itself declares (``parallel/hf_plan.py``): its decoder layers are the FSDP and
 activation-checkpointing units, its tensor-parallel plan is translated to ours, its pipeline plan
-gives the cut points. The model is built in ``configure_model()`` (Lightning calls it inside the
-strategy's init context, possibly on the meta device); ``parallel_plan()`` works before that from a
-meta-device copy, so a run can be validated before any process starts.
+gives the cut points, and each pipeline stage runs the model's own forward (``parallel/hf_pipeline.py``:
+its masks, positions, rotary tables, scaling and soft-capping). The model is built in
+``configure_model()`` (Lightning calls it inside the strategy's init context, possibly on the meta
+device); ``parallel_plan()`` works before that from a meta-device copy, so a run can be validated
+before any process starts.
 
-Determinism for loss parity: no dropout, SDPA attention, and an eager build draws its weights from
-a generator forked off the global seed, so every strategy and world size starts from the same
-weights.
+Determinism for loss parity: no dropout, and an eager build draws its weights from a generator forked
+off the global seed, so every strategy and world size starts from the same weights. Attention is
+SDPA by default; ``attn_implementation=eager`` (Gemma-2 supports only eager) computes the same.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from lightning_par.parallel.hf_plan import (
     check_tied,
     hf_init_fn,
     hf_parallel_plan,
-    hf_prepare_pipeline,
     tag_paths,
 )
 
-ARCHS = ("gpt2", "llama", "qwen2", "mistral")
+ARCHS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "gemma3_text")
+ATTENTION = ("sdpa", "eager")
 _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
                  "summary_first_dropout")
 
@@ -45,8 +48,11 @@ def _transformers() -> Any:
 
 
 def hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int | None, intermediate: int | None,
-              vocab: int, max_positions: int, tie_word_embeddings: bool, **extra: Any) -> Any:
-    """A ``transformers`` config for ``arch`` in our size vocabulary, without dropout, SDPA attention."""
+              vocab: int, max_positions: int, tie_word_embeddings: bool, attn_implementation: str = "sdpa",
+              **extra: Any) -> Any:
+    """A ``transformers`` config for ``arch`` in our size vocabulary, without dropout, with
+    ``attn_implementation`` (``sdpa`` or ``eager``; ``extra`` may name it too, as the YAML's ``config``)."""
+    attn = extra.pop("attn_implementation", None) or attn_implementation
     if arch not in ARCHS:
         raise ValueError(f"HFCausalLM: unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if vocab < 256:
@@ -62,6 +68,7 @@ def hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int 
                      bos_token_id=None, eos_token_id=None)
     else:
         sizes = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     head_dim=hidden // heads,  # Gemma's configs default to 256 whatever the width
                      num_key_value_heads=kv_heads or heads, intermediate_size=intermediate or 4 * hidden,
                      max_position_embeddings=max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg = _transformers().AutoConfig.for_model(arch, vocab_size=vocab, tie_word_embeddings=tie_word_embeddings,
@@ -69,7 +76,12 @@ def hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int 
     for key in _DROPOUT_KEYS:
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
-    cfg._attn_implementation = "sdpa"
+    if attn not in ATTENTION:
+        raise ValueError(f"HFCausalLM: attn_implementation={attn!r}; choose one of {', '.join(ATTENTION)}")
+    model_cls = _transformers().AutoModelForCausalLM._model_mapping[type(cfg)]
+    if attn == "sdpa" and not getattr(model_cls, "_supports_sdpa", True):
+        raise ValueError(f"HFCausalLM: {arch} does not support attn_implementation=sdpa; use eager")
+    cfg._attn_implementation = attn
     return cfg
 
 
@@ -77,7 +89,7 @@ class HFCausalLM(ParModule):
     """A Hugging Face causal LM from a config; next-token prediction on ``(B, T)`` token ids.
 
     Args:
-        arch: ``gpt2``, ``llama``, ``qwen2`` or ``mistral``.
+        arch: ``gpt2``, ``llama``, ``qwen2``, ``mistral``, ``gemma2`` or ``gemma3_text``.
         hidden, layers, heads: width, depth and attention heads.
         kv_heads: key/value heads (grouped-query attention; null: = heads). Not for gpt2.
         intermediate: MLP inner size (null: the architecture's default, 4 x hidden).
@@ -85,7 +97,8 @@ class HFCausalLM(ParModule):
         max_positions: longest sequence the model accepts (at least ``seq_len``).
         tie_word_embeddings: share the input embedding with the output projection.
         seq_len: training sequence length (for ``example_input``).
-        config: further ``transformers`` config fields (e.g. ``rope_theta``).
+        attn_implementation: ``sdpa`` (default) or ``eager`` (also accepted inside ``config``).
+        config: further ``transformers`` config fields (e.g. ``rope_theta``, ``sliding_window``).
         optimizer, lr, weight_decay, betas, momentum: as ``ParModule``.
     """
 
@@ -94,7 +107,7 @@ class HFCausalLM(ParModule):
     def __init__(self, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
                  kv_heads: int | None = None, intermediate: int | None = None, vocab: int = 256,
                  max_positions: int = 128, tie_word_embeddings: bool = False, seq_len: int | None = None,
-                 config: dict | None = None, **kwargs: Any) -> None:
+                 config: dict | None = None, attn_implementation: str = "sdpa", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.save_hyperparameters()
         self.seq_len = seq_len or max_positions
@@ -102,7 +115,8 @@ class HFCausalLM(ParModule):
             raise ValueError(f"HFCausalLM: seq_len={self.seq_len} exceeds max_positions={max_positions}")
         self.hf_config = hf_config(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                                    intermediate=intermediate, vocab=vocab, max_positions=max_positions,
-                                   tie_word_embeddings=tie_word_embeddings, **dict(config or {}))
+                                   tie_word_embeddings=tie_word_embeddings, attn_implementation=attn_implementation,
+                                   **dict(config or {}))
         self._plan: ParallelPlan | None = None
 
     # ------------------------------------------------------------------------ building
@@ -114,16 +128,16 @@ class HFCausalLM(ParModule):
         """A fresh Hugging Face model (meta: shapes only; else initialised from the global seed)."""
         auto = _transformers().AutoModelForCausalLM
         device = torch.device(device)
+        attn = self.hf_config._attn_implementation
         if device.type == "meta":
             with torch.device("meta"):
-                net = auto.from_config(self.hf_config, attn_implementation="sdpa")
+                net = auto.from_config(self.hf_config, attn_implementation=attn)
         else:
             devices = [device] if device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), torch.device(device):
                 torch.manual_seed(torch.initial_seed())  # the same weights whatever ran before
-                net = auto.from_config(self.hf_config, attn_implementation="sdpa")
+                net = auto.from_config(self.hf_config, attn_implementation=attn)
         tag_paths(net)  # lets the init function place copies of its submodules (hf_plan.hf_init_fn)
-        hf_prepare_pipeline(net)
         return net
 
     def configure_model(self) -> None:

@@ -13,9 +13,9 @@ Duck-typed: nothing here imports ``transformers``; a model is recognised by its 
   parallelism then refuses the model as having no plan.
 - ``tp_divisible``: attention heads, key/value heads, MLP size and vocabulary from the config.
 - ``layers``: the pipeline cut points from ``base_model_pp_plan`` (the base model's parts in forward
-  order, a ``ModuleList`` expanded to its layers) followed by the head's ``_pp_plan``. Decoder layers
-  take rotary position embeddings as a keyword; ``hf_prepare_pipeline`` makes each layer compute
-  them itself when called with hidden states alone, which is how a pipeline stage calls it.
+  order, a ``ModuleList`` expanded to its layers) followed by the head's ``_pp_plan``. They say where
+  to cut, not how to run a part: decoder layers take the masks and rotary tables the model's forward
+  builds, so each stage runs that forward itself (``hf_pipeline.py``).
 
 Tied parameters (GPT-2's and ``tie_word_embeddings``' input/output embedding): ``tied_parameters``
 lists them and ``check_tied`` refuses the layouts that would silently untie them.
@@ -32,15 +32,23 @@ from torch import nn
 
 from lightning_par.parallel.ties import retie, tied_parameters  # noqa: F401  (re-exported)
 from lightning_par.parallel.contract import ParallelPlan
+from lightning_par.parallel.hf_tp_verified import tp_unverified_reason
 
 log = logging.getLogger(__name__)
 
 # Hugging Face tensor-parallel style -> ours (lightning_par.parallel.tensor_parallel.STYLES)
+# (transformers' own list: ``transformers.integrations.tensor_parallel.ALL_PARALLEL_STYLES``; the
+# styles it has that are missing here are refused by name, tests/test_hf_tp_registry.py walks them)
 HF_STYLES = {
     "colwise": "colwise",  # q/k/v, gate/up: output features split
     "rowwise": "rowwise",  # o, down: input features split, outputs all-reduced
     "embedding_rowwise": "embedding",  # token table split by vocabulary rows
+    "embedding_colwise": "embedding_colwise",  # token table split by hidden columns, output gathered
     "colwise_gather_output": "output",  # LM head: vocabulary split, logits gathered
+    "colwise_rep": "colwise_gather",  # output features split, output gathered
+    "rowwise_rep": "rowwise_split",  # replicated input split locally, outputs all-reduced
+    "rowwise_split_input": "rowwise_split",
+    "replicated_with_grad_allreduce": "replicate_local_heads",  # q/k norms on the local heads
     "sequence_parallel": "sequence_parallel",
     "replicate": "replicate",
 }
@@ -120,7 +128,11 @@ def hf_layers(model: nn.Module) -> tuple[str, ...]:
     prefix = f"{prefix}." if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model else ""
     layers: list[str] = []
     for name in [prefix + k for k in base] + list(head):
-        sub = model.get_submodule(name)
+        try:
+            sub = model.get_submodule(name)
+        except AttributeError:  # a pipeline plan naming modules the model does not have: not usable
+            log.warning("%s's pipeline plan names %r, which it lacks; no pipeline cut points", type(model).__name__, name)
+            return ()
         if isinstance(sub, (nn.ModuleList, nn.Sequential)):
             layers.extend(f"{name}.{i}" for i in range(len(sub)))
         else:
@@ -132,13 +144,17 @@ def hf_parallel_plan(model: nn.Module) -> ParallelPlan | None:
     """The ``ParallelPlan`` a Hugging Face model declares (paths relative to it); None for others."""
     if not is_hf_model(model):
         return None
+    refusal = ""
     try:
         tp_plan = hf_tp_plan(model)
+        refusal = tp_unverified_reason(model) if tp_plan else ""
     except ValueError as e:
-        log.warning("%s; tensor parallelism is unavailable for this model", e)
+        tp_plan, refusal = {}, str(e)
+    if refusal:
+        log.info("%s; tensor parallelism is unavailable for this model", refusal)
         tp_plan = {}
     return ParallelPlan(layers=hf_layers(model), blocks=hf_blocks(model), tp_plan=tp_plan,
-                        tp_divisible=hf_tp_divisible(model) if tp_plan else {})
+                        tp_divisible=hf_tp_divisible(model) if tp_plan else {}, tp_refusal=refusal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,9 +180,9 @@ def declared_ties(model: nn.Module) -> list[tuple[str, str]]:
 def check_tied(model: nn.Module, *, tp: int = 1, pp: int = 1) -> None:
     """Raise a one-line ``ValueError`` if a layout would silently untie ``model``'s tied parameters.
 
-    Tensor parallelism shards the embedding and the LM head as two separate modules (each gets its
-    own DTensor parameter), and a pipeline puts the embedding on the first stage and the head on the
-    last: either would train two diverging copies. Data-parallel strategies keep ties (checked by
+    A pipeline puts the embedding on the first stage and the head on the last: two diverging copies.
+    Tensor parallelism keeps the tie when both uses split the weight alike (vocabulary rows, as
+    Megatron-LM does; ``tensor_parallel._retie_split`` re-ties or refuses in one line). Data-parallel strategies keep ties (checked by
     the tests for ddp, zero1, zero2, zero3/fsdp/hsdp: FSDP2 shards a shared parameter once when both
     uses are in the same unit, here the root).
     """
@@ -174,12 +190,20 @@ def check_tied(model: nn.Module, *, tp: int = 1, pp: int = 1) -> None:
     if not pairs:
         return
     names = f"{pairs[0][0]} and {pairs[0][1]}"
-    if tp > 1:
-        raise ValueError(f"{type(model).__name__} ties {names}; tensor parallelism (tp={tp}) would untie them -- "
-                         "build the model with tie_word_embeddings=false or use tp=1")
+    # tensor parallelism keeps a tie when both uses split the weight alike (tensor_parallel._retie_split)
     if pp > 1:
+        # advice that can be followed: tie_word_embeddings unties only the output head from the input table
+        found = find_hf_model(model)
+        head = getattr(found[1], "get_output_embeddings", lambda: None)() if found else None
+        where = [f"{found[0]}.{n}".strip(".") + "." for n, m in found[1].named_modules() if m is head] if found else []
+        # only the output head shares the input table
+        head_only = bool(where) and all(a.startswith(where[0]) or b.startswith(where[0]) for a, b in pairs)
+        flag = getattr(getattr(found[1], "config", None), "tie_word_embeddings", None) if found else None
+        fix = ("build the model with tie_word_embeddings=false or use pp=1" if head_only and flag
+               else "no option of the model unties them (e.g. T5's shared encoder/decoder table): use pp=1 (a "
+                    "data-parallel, sharded or tensor-parallel strategy)")
         raise ValueError(f"{type(model).__name__} ties {names}; a pipeline (pp={pp}) puts them on different "
-                         "stages -- build the model with tie_word_embeddings=false or use pp=1")
+                         f"stages -- {fix}")
 
 
 def verify_ties(model: nn.Module) -> None:
@@ -302,7 +326,7 @@ def hf_init_all(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
 
 
 # ---------------------------------------------------------------------------------------------
-# Activation checkpointing and pipeline stages
+# Activation checkpointing
 
 
 def hf_enable_checkpointing(model: nn.Module) -> bool:
@@ -318,52 +342,3 @@ def hf_enable_checkpointing(model: nn.Module) -> bool:
     else:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return True
-
-
-def hf_prepare_pipeline(model: nn.Module) -> int:
-    """Let each block of a Hugging Face model run on hidden states alone, as a pipeline stage calls it.
-
-    A decoder layer takes the rotary ``position_embeddings`` (cos, sin) from its base model's forward.
-    A forward pre-hook on each block computes them when they are missing, for positions
-    ``0..T-1``, with a rotary module of the block's own class built from the model's config (the same
-    function of the config as the model's own, so a cut model computes what the whole one does).
-    Blocks without that keyword (GPT-2) are left alone. Attention masks are not needed: without one,
-    SDPA attention is causal, which is what the whole model uses for unpadded batches. Idempotent;
-    returns the number of blocks hooked.
-    """
-    found = find_hf_model(model)
-    if found is None:
-        return 0
-    hf = found[1]
-    rotary = next((m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
-    if rotary is None:
-        return 0
-    cfg = hf.config
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    cache: dict[torch.device, nn.Module] = {}
-
-    def position_embeddings(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if kwargs.get("position_embeddings") is not None:
-            return None
-        hidden = args[0] if args else kwargs["hidden_states"]
-        t = hidden.shape[1]
-        if window and t > window:
-            raise ValueError(f"pipeline stage: sequence length {t} exceeds the sliding window {window}, which needs "
-                             "the model's own attention mask; use sequences <= the window")
-        device = hidden.device
-        if device not in cache:
-            with torch.device("cpu"):
-                cache[device] = type(rotary)(config=cfg).to(device if device.type != "meta" else "cpu")
-        positions = torch.arange(t, device=device).unsqueeze(0)
-        return args, {**kwargs, "position_embeddings": cache[device](hidden, position_ids=positions)}
-
-    count = 0
-    for path in hf_blocks(hf):
-        block = hf.get_submodule(path)
-        if getattr(block, "_lp_pipeline_hook", False):
-            count += 1
-            continue
-        block.register_forward_pre_hook(position_embeddings, with_kwargs=True)
-        block._lp_pipeline_hook = True
-        count += 1
-    return count

@@ -2,7 +2,10 @@
 its stages, run a schedule, and time every stage's compute so the bubble can be measured.
 
 A model declares ``layers``: module paths that, applied one after another, compute its forward
-(each maps one tensor to one tensor). ``balance_layers`` cuts that list into contiguous groups
+(each maps one tensor to one tensor). A Hugging Face model is the exception: its layers take masks
+and rotary tables its forward builds, so each of its stages runs that forward itself
+(``hf_pipeline.HFStageRunner``), cut at the same paths. ``balance_layers`` cuts that list into
+contiguous groups
 minimizing the most expensive group; ``build_stage_modules`` wraps each group in a
 ``PipelineStageModule`` that keeps the original modules under their original dotted paths, so a
 stage's ``state_dict`` keys *are* the full model's FQNs (checkpoints need no renaming).
@@ -45,6 +48,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_par.parallel.contract import aux_loss_sources
+from lightning_par.parallel.hf_pipeline import HFStageRunner, hf_stage_runner
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +116,17 @@ class PipelineStageModule(nn.Module):
     The original modules are registered under their original dotted paths (through empty
     container modules), so ``named_parameters()``/``state_dict()`` of a stage use the full model's
     FQNs; ``fqns`` lists them. Layers are looked up by path at every call, so wrapping one later
-    (activation checkpointing, ``fully_shard``) is picked up.
+    (activation checkpointing, ``fully_shard``) is picked up. With a ``runner`` (a Hugging Face
+    model's, ``hf_pipeline.HFStageRunner``) the stage runs the model's own forward over its layers
+    instead of calling them one after another.
     """
 
-    def __init__(self, model: nn.Module, layers: Sequence[str], stage_index: int) -> None:
+    def __init__(self, model: nn.Module, layers: Sequence[str], stage_index: int,
+                 runner: HFStageRunner | None = None) -> None:
         super().__init__()
         self.layers = tuple(layers)
         self.stage_index = stage_index
+        self.runner = runner
         for path in self.layers:
             parent: nn.Module = self
             *heads, leaf = path.split(".")
@@ -134,6 +142,8 @@ class PipelineStageModule(nn.Module):
         return [name for name, _ in self.named_parameters()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runner is not None:
+            return self.runner(x, self.get_submodule)
         for path in self.layers:
             x = self.get_submodule(path)(x)
         return x
@@ -146,7 +156,8 @@ def build_stage_modules(model: nn.Module, *, layers: Sequence[str], boundaries: 
                         stage_indices: Sequence[int]) -> list[PipelineStageModule]:
     """Stage modules for ``stage_indices`` (this rank's stages), sharing the modules of ``model``.
 
-    ``layers`` must cover every parameter of ``model`` (each parameter in exactly one layer).
+    ``layers`` must cover every parameter of ``model`` (each parameter in exactly one layer). When
+    they all lie inside a Hugging Face model, each stage runs that model's own forward.
     """
     layers = list(layers)
     for a in layers:
@@ -163,7 +174,8 @@ def build_stage_modules(model: nn.Module, *, layers: Sequence[str], boundaries: 
     b = list(boundaries)
     if b[0] != 0 or b[-1] != len(layers) or any(x >= y for x, y in zip(b, b[1:])):
         raise ValueError(f"bad stage boundaries {b} for {len(layers)} layers")
-    return [PipelineStageModule(model, layers[b[s]:b[s + 1]], s) for s in stage_indices]
+    return [PipelineStageModule(model, layers[b[s]:b[s + 1]], s, hf_stage_runner(model, layers, b[s], b[s + 1]))
+            for s in stage_indices]
 
 
 # ---------------------------------------------------------------------------------------------

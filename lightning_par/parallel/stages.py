@@ -17,13 +17,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par.parallel.hf_pipeline import hf_stage_runner
+
 
 class RemoteLayer(nn.Module):
-    """Stands in, inside this rank's LightningModule, for a layer that lives on another pipeline rank."""
+    """Stands in, inside this rank's LightningModule, for a layer that lives on another pipeline rank.
 
-    def __init__(self, path: str, stage: int) -> None:
+    It keeps the layer's plain attributes (strings, numbers, flags such as a decoder layer's
+    ``attention_type``): a model's forward, which a Hugging Face stage runs, may read them."""
+
+    def __init__(self, path: str, stage: int, attrs: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.path, self.stage = path, stage
+        self._lp_attrs = dict(attrs or {})
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            attrs = self.__dict__.get("_lp_attrs", {})
+            if name in attrs:
+                return attrs[name]
+            raise
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"layer {self.path!r} lives on pipeline stage {self.stage} (another rank); "
@@ -66,7 +81,9 @@ def resolve_split_points(layers: Sequence[str], split_points: Sequence[int | str
 def measure_layer_times(module: nn.Module, layers: Sequence[str], example: torch.Tensor,
                         repeats: int = 3) -> list[float]:
     """Seconds of forward + backward of every layer on ``example`` (median of ``repeats`` runs after a
-    warm-up), layer by layer: the costs for a compute-balanced pipeline cut."""
+    warm-up), layer by layer: the costs for a compute-balanced pipeline cut. A Hugging Face model's
+    layer runs as a one-layer stage would, through the model's own forward (``hf_pipeline``)."""
+    runners = [hf_stage_runner(module, layers, i, i + 1) for i in range(len(layers))]
     times: list[list[float]] = [[] for _ in layers]
     sync = torch.cuda.synchronize if example.device.type == "cuda" else (lambda: None)
     for run in range(repeats + 1):
@@ -75,7 +92,8 @@ def measure_layer_times(module: nn.Module, layers: Sequence[str], example: torch
             x = h.detach().requires_grad_() if h.is_floating_point() else h
             sync()
             start = time.perf_counter()
-            out = module.get_submodule(path)(x)
+            runner = runners[i]
+            out = runner(x, module.get_submodule) if runner is not None else module.get_submodule(path)(x)
             out.float().sum().backward()
             sync()
             if run:
@@ -91,4 +109,7 @@ def drop_remote_layers(module: nn.Module, layers: Sequence[str], local: set[str]
     """Replace every layer in ``layers`` that is not in ``local`` by a ``RemoteLayer`` naming its stage."""
     for path in layers:
         if path not in local:
-            _replace_submodule(module, path, RemoteLayer(path, owner[path]))
+            layer = module.get_submodule(path)
+            attrs = {k: v for k, v in vars(layer).items()
+                     if not k.startswith("_") and k != "training" and isinstance(v, (str, int, float, bool))}
+            _replace_submodule(module, path, RemoteLayer(path, owner[path], attrs))

@@ -36,7 +36,8 @@ from lightning_par import ConfigError
 from lightning_par.optim import per_tensor_where_mixed
 from lightning_par.parallel.contract import example_input_of, loss_fn_of
 from lightning_par.parallel.discovery import ResolvedPlan, resolve_plan
-from lightning_par.parallel.hf_plan import check_tied, find_hf_model, hf_prepare_pipeline
+from lightning_par.parallel.hf_pipeline import check_hf_pipeline
+from lightning_par.parallel.hf_plan import check_tied
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.expert_parallel import check_expert_parallel, data_mesh
 from lightning_par.parallel.parallelize import ExpertParallel, FullyShard, TensorParallel
@@ -88,6 +89,8 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         ep: expert parallelism for MoE models (``parallel/expert_parallel.py``): the routed experts
             spread over ``ep`` ranks taken from the data axis (ep must divide world / (pp x tp)); the
             rest of the model as without it. The MoE layers run whole on every tensor-parallel rank.
+        sync_batchnorm: BatchNorm statistics over the data-parallel ranks (as ``Trainer(sync_batchnorm=True)``);
+            refused with a pipeline or sequence parallelism (see ``check_sync_batchnorm``).
     """
 
     strategy_name = "lp_mesh"
@@ -112,9 +115,10 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         reduce_dtype: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(activation_checkpointing=activation_checkpointing, process_group_backend=process_group_backend,
-                         timeout=timeout)
+                         timeout=timeout, sync_batchnorm=sync_batchnorm)
         name = type(self).__name__
         if pp is None and tp is None:
             raise ValueError(f"{name}: at most one of pp and tp may be null (= the rest of the world)")
@@ -201,6 +205,8 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         plan = resolve_plan(module).plan
         model = type(module).__name__
         check_tied(module, tp=dims.tp, pp=dims.pp)  # a layout that would silently untie shared weights
+        if self.wants_sync_batchnorm():
+            self.check_sync_batchnorm(world_size, module)
         if (self.param_dtype or self.reduce_dtype) and dims.dp_shard <= 1 and dims.ep > 1:
             raise ValueError(f"{name}: param_dtype/reduce_dtype need a dp_shard axis beside ep={dims.ep} (with none, "
                              "the experts stay outside FSDP, uncast); use trainer.precision=bf16-mixed instead")
@@ -217,6 +223,7 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
             m = self.n_microbatches_for(dims.pp)
             n_stages = validate_pipeline(self.schedule, pp_size=dims.pp, n_microbatches=m,
                                          virtual_stages=self.virtual_stages, n_layers=len(plan.layers))
+            check_hf_pipeline(module, plan.layers)  # its stages run its own forward: refuse one that cannot
             if self.split_points is not None:
                 resolve_split_points(plan.layers, self.split_points, n_stages)
             elif self.balance == "time" and example_input_of(module) is None:
@@ -229,6 +236,8 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                 raise ValueError(f"{name}: pp=1 on {world_size} ranks is no pipeline; use pp={world_size} "
                                  "(or strategy=ddp for data parallelism)")
         if dims.tp > 1:
+            if not plan.tp_plan and plan.tp_refusal:
+                raise ValueError(f"{name}: {plan.tp_refusal}")
             if not plan.tp_plan:
                 raise ValueError(f"{name}: tensor parallelism needs {model}'s tensor-parallel styles; declare "
                                  "parallel_plan().tp_plan (module pattern -> colwise/rowwise/...; see README "
@@ -315,6 +324,28 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                                             reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"))
         return out
 
+    # ------------------------------------------------------------------ synchronized BatchNorm
+    @override
+    def sync_batchnorm_group(self) -> Any:
+        """The data ranks' group (dp, times ep), not the tp / pp ranks (which read the same samples)."""
+        dims = self.parallel_dims
+        return None if dims.dp == dims.world_size else self.data_mesh().get_group()
+
+    @override
+    def check_sync_batchnorm(self, world_size: int, module: nn.Module) -> None:
+        from lightning_par.strategies.base import has_batchnorm
+
+        if not has_batchnorm(module):
+            return
+        name, dims = type(self).__name__, self.dims_for(world_size)
+        if self.uses_pipeline(dims):
+            raise ValueError(f"{name}: sync_batchnorm cannot give BatchNorm the statistics of the global batch under "
+                             "a pipeline (each stage normalizes one micro-batch at a time); use a data-parallel "
+                             "strategy, or GroupNorm/LayerNorm")
+        if self.sequence_parallel:
+            raise ValueError(f"{name}: sync_batchnorm with sequence_parallel would need BatchNorm statistics over the "
+                             "tensor-parallel ranks too (they hold different tokens); set sequence_parallel=false")
+
     def data_mesh(self) -> Any:
         """One mesh over every data rank (dp axis x ep), built once (``parallel/expert_parallel.py``)."""
         if self._data_mesh is None:
@@ -332,9 +363,6 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         """Step 1 of ``parallelize``: this rank's stage modules; other layers become ``RemoteLayer``s."""
         dims, mesh, trainer = self.parallel_dims, self.device_mesh, self.lightning_module.trainer
         layers = list(layers)
-        hf = find_hf_model(module)
-        if hf is not None:  # decoder layers called with hidden states alone compute their own positions
-            hf_prepare_pipeline(hf[1])
         m = self.n_microbatches_for(dims.pp)
         n_stages = dims.pp * self.virtual_stages
         micro = self._batch_per_pipeline(trainer, dims, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))

@@ -1,0 +1,282 @@
+"""Pipeline stages of a Hugging Face model run the model's own forward.
+
+A pipeline plan (``_pp_plan`` / ``base_model_pp_plan``, read by ``hf_plan.hf_layers``) says where a
+model may be cut, not what happens between and around those modules. The model's ``forward`` builds
+the attention masks (causal, sliding-window, per-layer mask types such as Gemma-2/3's alternating
+sliding/full layers), the position ids and rotary tables, scales embeddings, applies the final norm
+and soft-caps logits. Calling the layers one after another with hidden states alone loses all of it
+(eager attention without its mask is not even causal), so a stage runs that ``forward`` itself:
+
+- on a *shell* of the model: shallow copies of the containers above the plan's layers (the model,
+  its base model, the ``layers`` list), sharing every parameter, buffer and other submodule with the
+  real model, in which each layer of the plan is replaced by what this stage does with it:
+  * a layer of an earlier stage hands its input on unchanged (``_Skip``; nothing of it runs),
+  * this stage's first layer gets the activation the previous stage sent instead of whatever the
+    forward computed up to it (``_Enter``),
+  * this stage's layers are the real modules (as wrapped by TP, checkpointing, compile, FSDP),
+  * the first layer of the next stage ends the forward (``_Leave``): the tensor it was called with
+    is this stage's output, so whatever the forward does between two layers belongs to the stage
+    before the cut (Gemma's embedding scaling runs on the stage holding the embedding);
+- the first stage calls ``forward(input_ids=...)``, every later one ``forward(inputs_embeds=...)``
+  with the received activation (for shapes, dtype and device: masks and positions are then built by
+  the model's own code exactly as for the whole model, and its first layers are skipped); the last
+  stage returns the output's ``logits``.
+
+Nothing is re-implemented: masks come from ``transformers.masking_utils`` as the model calls it,
+rotary tables from the model's own ``rotary_emb``, soft-capping from its head's forward. The shell
+is rebuilt at every call (a handful of dict copies), so modules wrapped after the cut are used.
+
+``check_hf_pipeline`` runs every cut of a meta-device copy of the model before any process starts
+and refuses, in one line, a model this cannot run: a forward that does not call the plan's layers
+once each, in order, with the hidden states first; one that reads a layer's attributes this rank
+would not have; one without ``inputs_embeds``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_par.parallel.hf_plan import find_hf_model
+
+
+class _StageOutput(Exception):  # noqa: N818 - control flow, not an error
+    """Raised by ``_Leave``: the forward has reached the next stage's first layer."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+def _hidden(args: tuple, kwargs: dict) -> Any:
+    """The hidden states a layer is called with: its first argument (positional or by name)."""
+    if args:
+        return args[0]
+    for key in ("hidden_states", "input", "x"):
+        if key in kwargs:
+            return kwargs[key]
+    raise TypeError("pipeline stage: a layer of the plan was called without hidden states")
+
+
+def _with_hidden(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (x, *args[1:]), kwargs
+    key = next(k for k in ("hidden_states", "input", "x") if k in kwargs)
+    return args, {**kwargs, key: x}
+
+
+class _StandIn(nn.Module):
+    """A layer of the plan inside a stage's shell. Attributes the forward reads from the layer
+    (e.g. ``attention_type``) come from the layer it stands for (``RemoteLayer`` keeps them)."""
+
+    def __init__(self, path: str, real: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_lp_path", path)
+        object.__setattr__(self, "_lp_real", real)  # not a submodule: the shell owns no parameters
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = self.__dict__.get("_lp_real")
+            if real is None:
+                raise
+            return getattr(real, name)
+
+
+class _Skip(_StandIn):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _hidden(args, kwargs)
+
+
+class _Leave(_StandIn):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _StageOutput(_hidden(args, kwargs))
+
+
+class _Enter(_StandIn):
+    def __init__(self, path: str, real: nn.Module, x: torch.Tensor) -> None:
+        super().__init__(path, real)
+        object.__setattr__(self, "_lp_x", x)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _with_hidden(args, kwargs, self.__dict__["_lp_x"])
+        return self.__dict__["_lp_real"](*args, **kwargs)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing everything but its own table of children."""
+    shell = copy.copy(module)
+    shell.__dict__["_modules"] = dict(module._modules)
+    shell.__dict__["_lp_shell"] = True
+    return shell
+
+
+def _shell(hf: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
+    """``hf`` with the modules at ``replacements``' paths (relative to it) replaced, the model untouched."""
+    root = _shallow(hf)
+    for path, new in replacements.items():
+        *parents, leaf = path.split(".")
+        node = root
+        for name in parents:
+            child = node._modules[name]
+            if not child.__dict__.get("_lp_shell", False):
+                child = _shallow(child)
+                node._modules[name] = child
+            node = child
+        node._modules[leaf] = new
+    return root
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """What the whole model's caller uses of its output: the logits (or the last hidden state)."""
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+class HFStageRunner:
+    """Runs one pipeline stage (layers ``start .. end-1`` of the plan) through the model's own forward.
+
+    ``root`` is the module the plan's paths are relative to (the LightningModule); ``hf_path`` the
+    Hugging Face model's path in it. ``layer_of(path)`` gives the module this stage runs for one of its
+    layers (the stage module's, possibly wrapped); the other layers are stand-ins (module docstring).
+    """
+
+    def __init__(self, root: nn.Module, hf_path: str, layers: Sequence[str], start: int, end: int) -> None:
+        self._root = weakref.ref(root)  # a stage module must not own (or deep-copy) the whole model
+        self.hf_path = hf_path
+        self.layers, self.start, self.end = list(layers), start, end
+        cut = len(hf_path) + 1 if hf_path else 0
+        self.rel = [p[cut:] for p in self.layers]
+
+    def __repr__(self) -> str:
+        return f"HFStageRunner(layers {self.start}..{self.end - 1} of {len(self.layers)})"
+
+    def __call__(self, x: torch.Tensor, layer_of: Callable[[str], nn.Module], **forward_kwargs: Any) -> torch.Tensor:
+        root = self._root()
+        if root is None:
+            raise RuntimeError("pipeline stage: the model this stage was cut from no longer exists")
+        hf = root.get_submodule(self.hf_path) if self.hf_path else root
+        real = {p: root.get_submodule(p) for p in self.layers}  # RemoteLayers off this rank
+        replacements: dict[str, nn.Module] = {}
+        for i, (path, rel) in enumerate(zip(self.layers, self.rel)):
+            if i < self.start:
+                replacements[rel] = _Skip(path, real[path])
+            elif i == self.start and self.start > 0:
+                replacements[rel] = _Enter(path, layer_of(path), x)
+            elif i < self.end:
+                replacements[rel] = layer_of(path)
+            else:
+                replacements[rel] = _Leave(path, real[path])
+        shell = _shell(hf, replacements)
+        inputs = {"input_ids": x} if self.start == 0 else {"inputs_embeds": x.detach()}
+        try:
+            out = shell(**inputs, use_cache=False, **forward_kwargs)
+        except _StageOutput as stop:
+            return stop.hidden
+        if self.end < len(self.layers):
+            raise RuntimeError("pipeline stage: the model's forward returned without calling "
+                               f"{self.layers[self.end]!r}")
+        return _logits(out)
+
+
+def hf_stage_runner(model: nn.Module, layers: Sequence[str], start: int, end: int) -> HFStageRunner | None:
+    """A runner for stage ``layers[start:end]`` of ``model`` when the plan's layers all lie inside one
+    Hugging Face model; None for other models (their stages call the layers one after another)."""
+    found = find_hf_model(model)
+    if found is None:
+        return None
+    path, _ = found
+    if path and not all(p.startswith(path + ".") for p in layers):
+        return None
+    return HFStageRunner(model, path, layers, start, end)
+
+
+# ---------------------------------------------------------------------------------------------
+# Before launch
+
+
+def _meta_model(hf: nn.Module) -> nn.Module:
+    """``hf`` itself when it is all on the meta device (as before launch), else a fresh meta-device
+    model of its class and config (the real one may be large, or already cut)."""
+    if all(t.is_meta for t in [*hf.parameters(), *hf.buffers()]):
+        return hf
+    with torch.device("meta"):
+        return type(hf)._from_config(copy.deepcopy(hf.config))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def check_hf_pipeline(model: nn.Module, layers: Sequence[str], seq_len: int = 8) -> None:
+    """Refuse, with a one-line ``ValueError``, a Hugging Face model whose own forward cannot run as
+    pipeline stages cut at ``layers`` (see the module docstring); nothing for other models.
+
+    On the meta device: the whole forward must call the plan's layers once each, in plan order, each
+    with a tensor of hidden states first; then every stage of the finest cut (one layer per stage)
+    runs through ``HFStageRunner`` as a pipeline rank would (a stage's output must be one tensor).
+    Meta tensors have no values, and building a mask reads some (transformers looks for packed
+    sequences), so these runs pass an explicit causal mask: what is checked is the order of calls
+    and what crosses a cut, not the mask (each stage builds that with the model's own code).
+    """
+    found = find_hf_model(model)
+    if found is None:
+        return
+    path, hf = found
+    name = type(hf).__name__
+    outside = [p for p in layers if path and not p.startswith(path + ".")]
+    if outside:
+        raise ValueError(f"pipeline: the stages of {name} run its own forward, but the pipeline layer "
+                         f"{outside[0]!r} lies outside it; cut only inside {path}")
+    cut = len(path) + 1 if path else 0
+    rel = [p[cut:] for p in layers]
+    if "inputs_embeds" not in inspect.signature(type(hf).forward).parameters:
+        raise ValueError(f"pipeline: {name}.forward takes no inputs_embeds, which every stage after the first "
+                         "needs; this model cannot be cut into pipeline stages")
+    meta = _meta_model(hf)
+    for r in rel:
+        try:
+            meta.get_submodule(r)
+        except AttributeError:
+            raise ValueError(f"pipeline: {name} has no module {r!r}, which its pipeline plan names") from None
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device="meta").tril()[None, None]
+    calls: list[int] = []
+    handles = [meta.get_submodule(r).register_forward_pre_hook(
+        lambda _m, args, kwargs, i=i: calls.append(i if isinstance(_hidden(args, kwargs), torch.Tensor) else -1),
+        with_kwargs=True) for i, r in enumerate(rel)]
+    try:
+        with torch.no_grad():
+            meta(input_ids=ids, attention_mask=mask, use_cache=False)
+    except Exception as e:  # noqa: BLE001 - whatever the model's own forward raises on meta tensors
+        raise ValueError(f"pipeline: {name}'s forward failed on the meta device ({_first_line(e)}); "
+                         "it cannot be checked for pipeline stages") from None
+    finally:
+        for h in handles:
+            h.remove()
+    if calls != list(range(len(rel))):
+        raise ValueError(f"pipeline: {name}'s forward does not call the layers of its pipeline plan once each, in "
+                         f"plan order, with hidden states first (calls: {calls}); it cannot be cut into stages")
+    hidden: Any = ids
+    for s in range(len(rel)):
+        try:
+            with torch.no_grad():
+                hidden = HFStageRunner(meta, "", rel, s, s + 1)(hidden, meta.get_submodule, attention_mask=mask)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"pipeline: a stage of {name} starting at {rel[s]!r} cannot run through its own "
+                             f"forward ({_first_line(e)})") from None
+        if not isinstance(hidden, torch.Tensor):
+            raise ValueError(f"pipeline: a stage of {name} ending before {rel[s + 1]!r} does not end in one tensor")
