@@ -67,6 +67,13 @@ class CommShape:
         t = self.max_positions or self.seq
         return 2 * self.vocab * h // tp + t * h + h * (1 + b)
 
+    def param_tensors(self) -> int:
+        """Parameter tensors of the dense GPT: per block two norms and six linears (a weight each, and a
+        bias each with ``bias``), two embeddings, the final norm and the head. MoE blocks are counted as
+        dense ones: the count only prices zero2's per-step 4-byte flags, a rounding error beside Ψ."""
+        b = int(self.bias)
+        return self.layers * 8 * (1 + b) + 2 + (1 + b) + 1
+
     def activation_bytes(self, dtype_bytes: int) -> int:
         return self.micro_batch * self.seq * self.hidden * dtype_bytes
 
@@ -139,7 +146,7 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                     sequence_parallel: bool = False, loss_parallel: bool = False,
                     grad_clip: bool = False, expert_params: int = 0,
                     data_parallel: str = "replicate", activation_bytes: int | None = None,
-                    recompute: bool = False) -> dict[str, dict[str, int]]:
+                    recompute: bool = False, param_tensors: int | None = None) -> dict[str, dict[str, int]]:
     """Payload bytes one rank sends through collectives in one optimizer step: ``{kind: {axis: bytes}}``.
 
     Args:
@@ -158,7 +165,9 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
         schedule / virtual_stages / stage_rank: pipeline layout; stage_rank None: the busiest rank.
         stage_params: parameters of one pipeline rank's stages (pipeline x data parallel); None:
             n_params / pp.
-        grad_clip: zero2's global-norm clipping adds one 4-byte all-reduce.
+        grad_clip: zero2's global-norm clipping adds 4 bytes to its per-step all-reduce.
+        param_tensors: zero2 all-reduces one 4-byte "got a gradient" count per parameter tensor every step
+            (to refuse a parameter no rank used); None: ``shape.param_tensors()``, or 0 without a shape.
         expert_params: expert_parallel: the routed experts' parameters (of ``n_params``), 1/ep per rank.
         data_parallel: expert_parallel's ``replicate`` or ``fsdp`` (FSDP without a dp_shard axis, when ep
             is the whole world, shows in no mesh axis).
@@ -196,7 +205,8 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
         if shard > 1:
             _add(out, "reduce_scatter", "dp_shard", _pad(P, shard) * b)
             _add(out, "all_gather", "dp_shard", _pad(P, shard) * b)
-            _add(out, "all_reduce", "dp_shard", 4 * grad_clip)
+            flags = param_tensors if param_tensors is not None else (shape.param_tensors() if shape else 0)
+            _add(out, "all_reduce", "dp_shard", 4 * (flags + grad_clip))
     elif strategy in ("zero3", "zero3_offload", "fsdp", "hsdp"):
         fsdp(P, kept_params, "dp_shard", reshard_after_forward)
         if rep > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas

@@ -181,6 +181,19 @@ def test_comm_model_layouts_and_refusals():
                            schedule="interleaved_1f1b", virtual_stages=2)
     assert zbv["send"]["pp"] == 2 * 2 * a and loop["send"]["pp"] == 3 * 2 * a
     assert step_comm_bytes("zero2", n_params=10, mesh={"dp_shard": 4})["all_gather"]["dp_shard"] == 12 * 4  # padded
+    # zero2's per-step flags: one 4-byte count per parameter tensor (+4 bytes of norm when clipping); the
+    # shape's count is the real GPT's, with and without biases
+    import torch
+
+    from lightning_par.models.gpt import GPT
+    for bias in (True, False):
+        cfg = GPTConfig(**{**PRESETS["gpt_tiny"], "bias": bias})
+        with torch.device("meta"):
+            n = len(list(GPT(cfg).parameters()))
+        gpt = CommShape(layers=cfg.n_layer, hidden=cfg.n_embd, seq=8, micro_batch=1, vocab=cfg.vocab_size, bias=bias)
+        assert gpt.param_tensors() == n
+        assert step_comm_bytes("zero2", n_params=10, mesh={"dp_shard": 2}, shape=gpt, grad_clip=True)["all_reduce"] \
+            == {"dp_shard": 4 * (n + 1)}
     assert step_comm_bytes("fsdp", n_params=10, mesh={"dp_shard": 2}, reshard_after_forward=False)["all_gather"] \
         == {"dp_shard": 40}
     assert step_comm_bytes("ddp", n_params=10, mesh={"dp_replicate": 1}) == {}

@@ -14,7 +14,8 @@ strategy runs) -- trained 4 SGD steps on the same tokens. The outcome is one of:
   ``parallel/hf_tp_verified.py``'s set, which the tensor_parallel strategy requires of a Hugging Face
   family (the test checks the set equals the families with parity), so it is refused before launch.
 
-The counts are printed (``-s``) and must equal the README's sentence "N of M families".
+The counts are printed (``-s``) and, on the transformers version the verified set was measured
+with, must equal the README's sentence "N of M families".
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-from lightning_par.parallel.hf_tp_verified import VERIFIED_TP_FAMILIES
+from lightning_par.parallel.hf_tp_verified import MEASURED_WITH, VERIFIED_TP_FAMILIES
 from tests.dist import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,8 +145,12 @@ def test_every_family_with_a_tp_plan_runs_or_is_refused_in_one_line() -> None:
         print(f"  {mt:28s} {kind:12s} {why[:150]}")
     # the families the strategy lets through are exactly the ones proven here; the others are refused
     parity = {mt for mt, o in outcome.items() if o[0] == "parity"}
-    assert parity == set(VERIFIED_TP_FAMILIES), (sorted(parity - VERIFIED_TP_FAMILIES),
-                                                 sorted(VERIFIED_TP_FAMILIES - parity), failed)
+    # with the transformers the set was measured on, exactly; with another, every verified family must
+    # still pass (a newly passing family stays refused until it is measured and added)
+    measured_here = transformers.__version__.startswith(MEASURED_WITH)
+    assert parity >= VERIFIED_TP_FAMILIES, (sorted(VERIFIED_TP_FAMILIES - parity), failed)
+    if measured_here:
+        assert parity == VERIFIED_TP_FAMILIES, sorted(parity - VERIFIED_TP_FAMILIES)
     from transformers import AutoModelForCausalLM
 
     from lightning_par.models.hf_registry import tiny_config
@@ -157,6 +163,8 @@ def test_every_family_with_a_tp_plan_runs_or_is_refused_in_one_line() -> None:
     for mt, (kind, why) in outcome.items():
         if kind == "refused":
             assert why and "\n" not in why, (mt, why)
+    if not measured_here:
+        return
     # the README states the counts this test measured
     readme = (ROOT / "README.md").read_text()
     m = re.search(r"(\d+) of (\d+)\s+causal-LM families that declare a tensor-parallel plan", readme)

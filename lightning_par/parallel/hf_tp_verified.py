@@ -11,6 +11,9 @@ mixer) would otherwise train a different model without a word. Measured with tra
 
 from __future__ import annotations
 
+#: the transformers release the set was measured with (a newer one may add or change families)
+MEASURED_WITH = "5.24."
+
 VERIFIED_TP_FAMILIES = frozenset({
     "arcee", "codegen", "cohere", "cohere2", "cwm", "diffllama", "dory", "ernie4_5", "exaone", "exaone4", "gemma",
     "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "gptj", "granite", "helium", "hrm_text", "hunyuan_v1_dense",

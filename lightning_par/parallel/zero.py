@@ -156,7 +156,7 @@ class Zero2Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._push_hyperparameters()
-        self._refuse_globally_unused()
+        has = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32, device=self.flat.device)
         full = torch.zeros_like(self.flat)  # temporary: this rank's un-reduced gradient
         for p, off in zip(self._params, self._offsets):
             if p.grad is not None:
@@ -165,10 +165,14 @@ class Zero2Optimizer(torch.optim.Optimizer):
         _reduce_scatter(self.grad_shard, full, op=dist.ReduceOp.SUM, group=self.process_group)
         del full
         self.grad_shard.div_(self.world_size)  # SUM then divide: gloo has no AVG
+        # One small all-reduce per step carries both the per-parameter "got a gradient" counts and,
+        # when clipping, the squared norm of this rank's shard: one collective, not two.
+        counts = torch.cat([has, self.grad_shard.float().pow(2).sum().reshape(1)]) \
+            if self.max_grad_norm is not None else has
+        dist.all_reduce(counts, group=self.process_group)
+        self._refuse_globally_unused(counts[:len(self._params)])
         if self.max_grad_norm is not None:
-            norm_sq = self.grad_shard.float().pow(2).sum()
-            dist.all_reduce(norm_sq, group=self.process_group)
-            self.last_grad_norm = norm_sq.sqrt()
+            self.last_grad_norm = counts[-1].sqrt()
             self.grad_shard.mul_(torch.clamp(self.max_grad_norm / (self.last_grad_norm + 1e-6), max=1.0))
         self.inner.step()
         lo_r = self.rank * self.shard_size
@@ -176,13 +180,11 @@ class Zero2Optimizer(torch.optim.Optimizer):
         _all_gather(self.flat, mine, group=self.process_group)
         return loss
 
-    def _refuse_globally_unused(self) -> None:
-        """One small all-reduce (a count per parameter): stop, in one line on every rank, when a parameter
-        got a gradient on no rank. Skipping it exactly would need per-parameter optimizer steps (Adam's
+    def _refuse_globally_unused(self, has: torch.Tensor) -> None:
+        """Stop, in one line on every rank, when a parameter got a gradient on no rank (``has``: ranks that
+        gave one, per parameter). Skipping it exactly would need per-parameter optimizer steps (Adam's
         step count is one per inner tensor); DistributedDataParallel without find_unused_parameters
         stops on the same models."""
-        has = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32, device=self.flat.device)
-        dist.all_reduce(has, group=self.process_group)
         unused = [self._fqns[i] for i in (has == 0).nonzero().flatten().tolist()]
         if unused:
             shown = ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else "")
