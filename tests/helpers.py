@@ -10,12 +10,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # A run of a few seconds: tiny GPT, 12 steps, no validation, no progress bar.
 QUICK = ["experiment=quick", "trainer.max_steps=12", "trainer.limit_val_batches=0",
          "trainer.enable_progress_bar=false"]
+
+
+def composed(*overrides: str, tmp: Path | None = None):
+    """The app's config (``pkg://lightning_par.conf``) composed in-process with ``overrides``, with the
+    Hydra config set as in a real run; ``tmp``: the run's output directory."""
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_par.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # so ${hydra:...} resolves as in a real run
+    if tmp is not None:
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(tmp)
+    return cfg
 
 
 def run_cli(args: list[str], run_dir: Path, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """Sharded checkpoints that move between strategies and world sizes, and loop-state resume.
 
-End-to-end: the 4-rank runs of ``test_e2e_sharded.py`` save a checkpoint every 3 steps. Runs
+End-to-end: the shared 4-rank runs (``tests/sweeps.py``) save a checkpoint every 3 steps. Runs
 resumed from zero3's step-6 checkpoint under ddp and zero2 on 2 ranks and under single, and from
 zero2's step-9 checkpoint under fsdp and zero1 on 2 ranks, must continue with the losses of the
 uninterrupted single-device run (steps 7..12 and 10..12; loss-parity tolerance, rtol 1e-5 and
@@ -34,7 +34,7 @@ from lightning_par.data import DataParallelSampler
 from lightning_par.models import GPTModule
 from lightning_par.strategies.checkpoint import CheckpointError, ResumableLoader, canonical_fqn, check_checkpoint, plain
 from tests.helpers import QUICK, ROOT, run_cli
-from tests.test_e2e_sharded import FOUR_RANKS, by_strategy, single_refs, sweep, sweep_dir
+from tests.sweeps import FOUR_RANKS, by_strategy, single_refs, sweep, sweep_dir
 
 pytestmark = pytest.mark.timeout(900)
 

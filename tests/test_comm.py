@@ -2,7 +2,7 @@
 ``comm_model.step_comm_bytes`` (docs/communication.md) for every strategy, and the collectives
 benchmark runs at 2 ranks on gloo.
 
-The data-parallel runs are the sweeps ``test_e2e_sharded.py`` already runs (2 ranks: the 60-step
+The data-parallel runs are the shared sweeps of ``tests/sweeps.py`` (2 ranks: the 60-step
 parity sweep; 4 ranks: ddp ... hsdp; zero3_offload's accumulating sweep), so they cost nothing here
 when the suite runs together. One 4-rank sweep of its own (4 heads, so that tp=4 divides them; 3
 steps: step 2 is the one counted) covers tensor_parallel, pipeline, fsdp_tp and 3d, with RunGuard
@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from lightning_par.comm_model import CommShape, step_comm_bytes
 from lightning_par.models.gpt import PRESETS, GPTConfig
 from tests.helpers import ROOT
-from tests.test_e2e_sharded import by_strategy, four_ranks, long_parity, sweep, two_ranks_accumulating
+from tests.sweeps import by_strategy, four_ranks, long_parity, sweep, two_ranks_accumulating
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

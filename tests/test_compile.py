@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import assert_losses_match, run_cli
-from tests.test_e2e_sharded import by_strategy, single_refs, sweep
+from tests.sweeps import by_strategy, single_refs, sweep
 
 pytestmark = pytest.mark.timeout(900)
 

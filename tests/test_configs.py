@@ -9,8 +9,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import open_dict
@@ -18,24 +16,13 @@ from omegaconf import open_dict
 from lightning_par import ConfigError
 from lightning_par.cli import check_group_choices
 from lightning_par.strategies.base import ParStrategyMixin
-from tests.helpers import run_cli
+from tests.helpers import composed, run_cli
 
 CONF = Path(__file__).resolve().parents[1] / "lightning_par" / "conf"
 
 
 def names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def composed(*overrides: str, tmp: Path | None = None):
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="lightning_par.conf", version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)  # so ${hydra:...} resolves as in a real run
-    if tmp is not None:
-        with open_dict(cfg):
-            cfg.paths.output_dir = str(tmp)
-    return cfg
 
 
 def test_groups_are_not_empty():

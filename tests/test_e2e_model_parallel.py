@@ -125,7 +125,7 @@ def test_tensor_parallel_matches_single(ref, tmp_path, devices, extra):
 def test_two_ranks_match_single_over_60_steps(strategy):
     """The long-horizon parity of test_e2e_sharded.py (one shared 2-rank sweep, SGD, 60 steps, rtol
     1e-6) for tensor and pipeline parallelism."""
-    from tests.test_e2e_sharded import assert_parity_over_horizon, long_parity
+    from tests.sweeps import assert_parity_over_horizon, long_parity
 
     s = long_parity()[strategy]
     assert s["world_size"] == 2 and s["mesh"] == ({"tp": 2} if strategy == "tensor_parallel" else {"pp": 2})

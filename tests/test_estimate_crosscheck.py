@@ -1,7 +1,7 @@
 """The memory callback's per-rank figures follow the estimator's ZeRO formulas (lightning_par.estimate).
 
 Measured: bytes of the tensors each rank holds just before an optimizer step (MemoryMonitor), from
-the e2e runs of ``test_e2e_sharded.py`` (gpt_tiny, fp32 AdamW, 2 and 4 ranks). Expected:
+the shared e2e runs of ``tests/sweeps.py`` (gpt_tiny, fp32 AdamW, 2 and 4 ranks). Expected:
 ``estimate(Ψ, devices=N, strategy=..., precision="32-true", optimizer="adamw")``. Tolerances,
 all one-sided (measured >= expected) and explained by what the formula leaves out:
 
@@ -21,7 +21,7 @@ import torch
 
 from lightning_par.estimate import estimate
 from lightning_par.models import GPTModule
-from tests.test_e2e_sharded import four_ranks, two_ranks_accumulating
+from tests.sweeps import four_ranks, two_ranks_accumulating
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

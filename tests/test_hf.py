@@ -12,10 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers")  # the [hf] extra; the test extra includes it
-
-from lightning_par.models.hf import HFCausalLM, LogitsOnly  # noqa: E402
-from lightning_par.parallel.hf_plan import (  # noqa: E402
+from lightning_par.models.hf import HFCausalLM, LogitsOnly
+from lightning_par.parallel.hf_plan import (
     HF_STYLES,
     check_tied,
     declared_ties,
@@ -29,8 +27,8 @@ from lightning_par.parallel.hf_plan import (  # noqa: E402
     tied_parameters,
     verify_ties,
 )
-from lightning_par.parallel.pipeline import build_stage_modules  # noqa: E402
-from tests.helpers import assert_losses_match, run_cli, train_summary  # noqa: E402
+from lightning_par.parallel.pipeline import build_stage_modules
+from tests.helpers import assert_losses_match, run_cli, train_summary
 
 ROPE_ARCHS = ("llama", "qwen2", "mistral")
 

@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 
 from lightning_par import ConfigError
 from lightning_par.loggers import WandbLogger, build_loggers, run_config
-from tests.helpers import QUICK, run_cli
-from tests.test_configs import composed
+from tests.helpers import QUICK, composed, run_cli
 
 ALL = "logger=[csv,tensorboard,wandb,mlflow]"
 

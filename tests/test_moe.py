@@ -13,7 +13,7 @@ exactly (the same routing).
 An expert_parallel checkpoint (experts saved as ep shards under their full names) resumes under
 single with the uninterrupted run's losses (rtol 1e-6).
 
-The runs are shared through ``test_e2e_sharded.sweep`` (one cached multirun per argument list).
+The runs are shared through ``tests/sweeps.py``'s ``sweep`` (one cached multirun per argument list).
 """
 from __future__ import annotations
 
@@ -33,13 +33,18 @@ from lightning_par.models.moe import MoE, MoEConfig, MoEGPT, PRESETS
 from lightning_par.strategies import ExpertParallelStrategy
 from lightning_par.train import validate
 from tests.helpers import run_cli
-from tests.test_e2e_sharded import by_strategy, sweep, sweep_dir
+from tests.sweeps import (
+    MOE_SGD,
+    MOE_TWO,
+    assert_moe_figures,
+    assert_moe_parity,
+    by_strategy,
+    moe_two,
+    sweep,
+    sweep_dir,
+)
 
 pytestmark = pytest.mark.timeout(600)
-
-SGD = ("model=moe_tiny", "model.optimizer=sgd", "model.lr=0.1")
-RTOL = 1e-6
-STEPS = 12  # QUICK
 
 
 # ------------------------------------------------------------------------------ fast, in-process
@@ -125,37 +130,11 @@ def test_bad_sizes_are_config_errors(model, devices, ep, pattern):
 
 
 # --------------------------------------------------------------------- end to end (shared runs)
-# single (the reference) and ep=2 on 2 ranks, both saving a checkpoint every 2 steps
-TWO = (*SGD, "strategy=single,expert_parallel", "trainer.devices=2", "callbacks=checkpoint",
-       "callbacks.checkpoint.every_n_train_steps=2")
-
-
-def two() -> dict[str, dict]:
-    return by_strategy(sweep(*TWO))
-
-
 def _checkpoint(strategy: str, step: int) -> Path:
-    job = TWO[3].split("=")[1].split(",").index(strategy)
-    path = sweep_dir(*TWO) / str(job) / "checkpoints" / f"step{step:06d}.ckpt"
+    job = MOE_TWO[3].split("=")[1].split(",").index(strategy)
+    path = sweep_dir(*MOE_TWO) / str(job) / "checkpoints" / f"step{step:06d}.ckpt"
     assert path.is_dir(), path
     return path
-
-
-def _assert_parity(s: dict, ref: dict, first: int = 0) -> None:
-    got, want = np.asarray(s["losses"])[first:], np.asarray(ref["losses"])[first:]
-    assert len(s["losses"]) == len(ref["losses"]) == STEPS
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=0,
-                               err_msg=f"{s['strategy']} x{s['world_size']} mesh {s['mesh']} vs single")
-
-
-def _assert_moe_figures(s: dict, ref: dict, ep: int, first: int = 0) -> None:
-    moe = s["moe"]
-    # the same routing as the single device: the global tokens per expert of every step agree exactly
-    assert moe["tokens_per_expert"] == ref["moe"]["tokens_per_expert"][first:]
-    assert len(moe["tokens_per_expert"]) == STEPS - first and moe["dropped_fraction"] == 0.0
-    assert all(b >= 1.0 for b in moe["load_balance_max_over_mean"])
-    assert moe["all_to_all_bytes_per_step"] > 0 and ref["moe"]["all_to_all_bytes_per_step"] == 0
-    assert s["mesh"].get("ep") == ep
 
 
 def _params_per_rank(ep: int) -> int:
@@ -166,23 +145,23 @@ def _params_per_rank(ep: int) -> int:
 
 @pytest.mark.slow
 def test_expert_parallel_two_ranks_matches_single():
-    runs = two()
+    runs = moe_two()
     s, ref = runs["expert_parallel"], runs["single"]
     assert s["world_size"] == 2 and ref["world_size"] == 1
-    _assert_parity(s, ref)
-    _assert_moe_figures(s, ref, ep=2)
+    assert_moe_parity(s, ref)
+    assert_moe_figures(s, ref, ep=2)
     assert [m["params"] for m in s["memory"]] == [_params_per_rank(2)] * 2
     assert [m["params"] for m in ref["memory"]] == [_params_per_rank(1)]
 
 
 @pytest.mark.slow
 def test_ep_times_fsdp_four_ranks_matches_single():
-    (s,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
+    (s,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
                  "strategy.data_parallel=fsdp")
-    ref = two()["single"]
+    ref = moe_two()["single"]
     assert s["world_size"] == 4 and s["mesh"] == {"dp_shard": 2, "ep": 2}
-    _assert_parity(s, ref)
-    _assert_moe_figures(s, ref, ep=2)
+    assert_moe_parity(s, ref)
+    assert_moe_figures(s, ref, ep=2)
     held = [m["params"] for m in s["memory"]]  # 1/4 of everything, plus FSDP's padding
     assert 4 * ref["n_params"] <= sum(held) <= 1.01 * 4 * ref["n_params"], held
 
@@ -190,20 +169,21 @@ def test_ep_times_fsdp_four_ranks_matches_single():
 @pytest.mark.slow
 def test_single_checkpoint_resumes_under_ep_four_ranks():
     """Single's step-2 checkpoint, continued for 10 steps with the experts over 4 ranks (ep=4)."""
-    (s,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", f"ckpt_path={_checkpoint('single', 2)}")
-    ref = two()["single"]
+    (s,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=4",
+                 f"ckpt_path={_checkpoint('single', 2)}")
+    ref = moe_two()["single"]
     assert s["world_size"] == 4 and s["mesh"] == {"ep": 4}
-    _assert_parity(s, ref, first=2)  # steps 3..12 computed under ep=4 (steps 1-2 come from the checkpoint)
-    _assert_moe_figures(s, ref, ep=4, first=2)
+    assert_moe_parity(s, ref, first=2)  # steps 3..12 computed under ep=4 (steps 1-2 come from the checkpoint)
+    assert_moe_figures(s, ref, ep=4, first=2)
     assert [m["params"] for m in s["memory"]] == [_params_per_rank(4)] * 4
 
 
 @pytest.mark.slow
 def test_expert_parallel_checkpoint_resumes_under_single():
     ckpt = _checkpoint("expert_parallel", 6)
-    (s,) = sweep(*SGD, "strategy=single", f"ckpt_path={ckpt}")
+    (s,) = sweep(*MOE_SGD, "strategy=single", f"ckpt_path={ckpt}")
     assert s["world_size"] == 1
-    _assert_parity(s, two()["single"], first=6)  # steps 7..12 after the resume
+    assert_moe_parity(s, moe_two()["single"], first=6)  # steps 7..12 after the resume
 
 
 @pytest.mark.slow
@@ -216,11 +196,11 @@ def test_pipeline_keeps_the_aux_losses_and_matches_single():
     both stages, every micro-batch, without the shape-inference forward of the first step. Measured
     when this was written: without the aux gradient the pipeline's cross-entropy drifted from the
     single run's by 0.3% at step 5 and 10% at step 10."""
-    runs = by_strategy(sweep(*SGD, "+model.aux_loss_coef=1.0", "+model.z_loss_coef=0.1", "strategy=single,pipeline",
-                             "trainer.devices=2"))
+    runs = by_strategy(sweep(*MOE_SGD, "+model.aux_loss_coef=1.0", "+model.z_loss_coef=0.1",
+                             "strategy=single,pipeline", "trainer.devices=2"))
     s, ref = runs["pipeline"], runs["single"]
     assert s["mesh"] == {"pp": 2}
-    _assert_parity(s, ref)
+    assert_moe_parity(s, ref)
     assert s["moe"]["tokens_per_expert"] == ref["moe"]["tokens_per_expert"]
     assert s["moe"]["n_layers"] == ref["moe"]["n_layers"] == 2
 
@@ -232,12 +212,12 @@ def test_expert_parallel_composes_with_tensor_and_pipeline_parallelism(layout):
     """ep=2 taken from the data axis beside tp=2 (the MoE layers run whole on both tp ranks; attention
     and dense MLPs split) or beside pp=2 (each stage's experts over its own ep group), 4 ranks, against
     the single run: rtol 1e-6 (measured max 3.1e-7 and 2.5e-7), the same global tokens per expert."""
-    (s,) = sweep(*SGD, *layout, "strategy.ep=2", "trainer.devices=4")
-    ref = two()["single"]
+    (s,) = sweep(*MOE_SGD, *layout, "strategy.ep=2", "trainer.devices=4")
+    ref = moe_two()["single"]
     axis = layout[1].split(".")[1].split("=")[0]
     assert s["world_size"] == 4 and s["mesh"] == {axis: 2, "ep": 2}
-    _assert_parity(s, ref)
-    _assert_moe_figures(s, ref, ep=2)
+    assert_moe_parity(s, ref)
+    assert_moe_figures(s, ref, ep=2)
 
 
 @pytest.mark.slow
@@ -248,15 +228,15 @@ def test_ep_times_fsdp_tp_clips_by_the_global_norm():
     20%), against the single run with the same clipping: rtol 1e-6 (measured max 3.1e-7 and 1.7e-7). The
     clipped run checks that the global norm combines every kind of gradient (FSDP x TP shards, experts on
     ep) over its own mesh."""
-    plain, clipped = sweep(*SGD, "strategy=fsdp_tp", "strategy.ep=2", "trainer.devices=4",
+    plain, clipped = sweep(*MOE_SGD, "strategy=fsdp_tp", "strategy.ep=2", "trainer.devices=4",
                            "trainer.gradient_clip_val=null,0.5")
-    (ref_clipped,) = sweep(*SGD, "strategy=single", "trainer.gradient_clip_val=0.5")
-    ref = two()["single"]
+    (ref_clipped,) = sweep(*MOE_SGD, "strategy=single", "trainer.gradient_clip_val=0.5")
+    ref = moe_two()["single"]
     assert np.max(np.abs(np.subtract(ref["losses"], ref_clipped["losses"]))) > 1e-3  # the clipping is active
     for s, r in ((plain, ref), (clipped, ref_clipped)):
         assert s["world_size"] == 4 and s["mesh"] == {"ep": 2, "tp": 2}
-        _assert_parity(s, r)
-        _assert_moe_figures(s, r, ep=2)
+        assert_moe_parity(s, r)
+        assert_moe_figures(s, r, ep=2)
 
 
 @pytest.mark.parametrize("kwargs,devices,model,pattern", [

@@ -148,18 +148,17 @@ def test_expert_parallel_comm_and_states_match_the_models():
     all-reduce, all-gather and reduce-scatter bytes CommMonitor counted equal comm_model's; each
     rank's parameter bytes equal the estimator's within FSDP's padding (1%). The last run also
     matches the single run's losses at rtol 1e-6 (SGD, test_moe.py's bound)."""
-    from tests.test_moe import SGD, _assert_moe_figures, _assert_parity, two
-    from tests.test_e2e_sharded import sweep
+    from tests.sweeps import MOE_SGD, assert_moe_figures, assert_moe_parity, moe_two, sweep
 
-    _comm_and_states(two()["expert_parallel"], 2, "replicate")
-    (four,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
+    _comm_and_states(moe_two()["expert_parallel"], 2, "replicate")
+    (four,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
                     "strategy.data_parallel=fsdp")
     _comm_and_states(four, 2, "fsdp")
-    (whole,) = sweep(*SGD, "strategy=expert_parallel", "trainer.devices=2", "strategy.data_parallel=fsdp")
+    (whole,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=2", "strategy.data_parallel=fsdp")
     assert whole["mesh"] == {"ep": 2}
     _comm_and_states(whole, 2, "fsdp")
-    _assert_parity(whole, two()["single"])
-    _assert_moe_figures(whole, two()["single"], ep=2)
+    assert_moe_parity(whole, moe_two()["single"])
+    assert_moe_figures(whole, moe_two()["single"], ep=2)
 
 
 def test_ep_beside_other_strategies_is_refused_not_mispriced():

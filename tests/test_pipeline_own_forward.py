@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-from lightning_par.models.hf import HFCausalLM  # noqa: E402
-from lightning_par.parallel.hf_pipeline import check_hf_pipeline  # noqa: E402
-from lightning_par.parallel.pipeline import build_schedule, build_stage_modules  # noqa: E402
-from lightning_par.parallel.stages import drop_remote_layers, measure_layer_times  # noqa: E402
-from tests.dist import run_distributed  # noqa: E402
-from tests.helpers import assert_losses_match, run_cli, train_summary  # noqa: E402
+from lightning_par.models.hf import HFCausalLM
+from lightning_par.parallel.hf_pipeline import check_hf_pipeline
+from lightning_par.parallel.pipeline import build_schedule, build_stage_modules
+from lightning_par.parallel.stages import drop_remote_layers, measure_layer_times
+from tests.dist import run_distributed
+from tests.helpers import assert_losses_match, run_cli, train_summary
 
 SEQ = 32
 WINDOW = 8  # shorter than SEQ: the sliding-window masks matter
