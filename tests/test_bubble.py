@@ -1,11 +1,17 @@
 """Pipeline bubble and activation memory, measured on gloo ranks with layer-1 pipelines, and the
 bubble monitor's summary, trace, timeline and sweep figure.
 
-The bubble is checked on a synthetic pipeline whose every stage is compute-balanced by
-construction: its forward sleeps ``T_F`` and its backward ``T_B`` (a custom autograd function), so
-the times do not depend on how busy the shared CPU is. GPipe and 1F1B must then idle
-``(p-1)/(m+p-1)`` of the step, up to ``MARGIN`` (what is left is communication and Python overhead
-between the sleeps, counted as idle), and the idle fraction must fall as the micro-batches grow.
+The bubble is measured on a deterministic clock, not on wall time: the pipeline's ``StageTimer``
+reads an injected ``FakeClock`` (``build_schedule(clock=...)``) that moves only when a stage
+computes -- ``T_F`` per forward, ``T_B`` per backward (a custom autograd function) -- so what a real
+schedule records on 4 gloo ranks is exact: every forward, backward and loss of the rank, each
+lasting its known time. Waiting costs no time on that clock, so the schedule's timing is then
+replayed from each rank's recorded order: every action starts when its rank is free and its input
+is there (a forward after the previous stage's forward of that micro-batch, a backward after the
+next stage's backward) -- the pipeline with free communication. Measured through the monitor's own
+``BubbleMeter`` and ``bubble_summary``, GPipe and 1F1B must idle exactly ``(p-1)/(m+p-1)`` of the
+step and interleaved 1F1B ``(p-1)/(v m+p-1)``, and a stage twice as slow must show as a larger
+bubble.
 
 Activation memory is measured with ``ActivationMeter`` (saved-tensors hooks around the stage's
 forward, see ``callbacks/bubble.py``): it counts exactly the bytes autograd keeps for backward, so
@@ -16,55 +22,64 @@ can be compared on CPU, where allocator statistics do not exist and the RSS is n
 from __future__ import annotations
 
 import json
-import time
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.callbacks.bubble import (
-    ActivationMeter,
-    bubble_summary,
-    draw_timeline,
-    plot_bubble_sweep,
-    write_trace,
-)
-from lightning_par.parallel.pipeline import build_schedule, theoretical_bubble
+from lightning_par.callbacks.bubble import ActivationMeter, BubbleMeter, bubble_summary
+from lightning_par.callbacks.bubble_render import draw_timeline, plot_bubble_sweep, write_trace
+from lightning_par.parallel.pipeline import StageTimer, build_schedule, stage_indices_for_rank, theoretical_bubble
 from tests.dist import run_distributed
 
-T_F, T_B = 0.02, 0.04  # seconds of forward / backward per stage and micro-batch
+T_F, T_B = 1.0, 2.0  # clock seconds of forward / backward per stage and micro-batch (exact in binary)
 P = 4
-MARGIN = 0.06  # |measured - theory| on the balanced pipeline (measured on 2 shared cores: within 0.04)
-BUBBLE_CASES = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]
+BUBBLE_CASES = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8),
+                ("interleaved_1f1b", 4), ("interleaved_1f1b", 8)]
+V = {"interleaved_1f1b": 2}  # stages per rank (loop placement); 1 for the others
 MEMORY_M = 8
 
 
-class _SleepOp(torch.autograd.Function):
+class FakeClock:
+    """Seconds that pass only when ``advance`` is called."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _TickOp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, t_f, t_b):  # type: ignore[override]
-        time.sleep(t_f)
-        ctx.t_b = t_b
+    def forward(ctx, x, w, clock, t_f, t_b):  # type: ignore[override]
+        clock.advance(t_f)
+        ctx.clock, ctx.t_b = clock, t_b
         ctx.save_for_backward(x, w)
         return x * w
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        time.sleep(ctx.t_b)
+        ctx.clock.advance(ctx.t_b)
         x, w = ctx.saved_tensors
-        return grad * w, (grad * x).sum(), None, None
+        return grad * w, (grad * x).sum(), None, None, None
 
 
-class SleepStage(nn.Module):
-    """A pipeline stage with fixed compute time: forward sleeps t_f, backward t_b."""
+class TickStage(nn.Module):
+    """A pipeline stage whose forward takes ``T_F`` and backward ``T_B`` on ``clock``."""
 
-    def __init__(self, t_f: float = T_F, t_b: float = T_B) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(()))
-        self.t_f, self.t_b = t_f, t_b
+        self.clock = clock
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepOp.apply(x, self.w, self.t_f, self.t_b)
+        return _TickOp.apply(x, self.w, self.clock, T_F, T_B)
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -74,15 +89,16 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _worker(rank: int, world_size: int) -> dict:
     results: dict = {"bubble": {}, "memory": {}}
     for schedule, m in BUBBLE_CASES:
-        pipe = build_schedule([SleepStage()], schedule=schedule, n_microbatches=m, loss_fn=_mse, stage_indices=[rank])
+        clock, v = FakeClock(), V.get(schedule, 1)
+        stages = stage_indices_for_rank(schedule, rank, world_size, v)
+        pipe = build_schedule([TickStage(clock) for _ in stages], schedule=schedule, n_microbatches=m, loss_fn=_mse,
+                              stage_indices=stages, virtual_stages=v, clock=clock)
         x, y = torch.randn(2 * m, 8), torch.randn(2 * m, 8)
-        steps = []
-        for step in range(3):
+        for _ in range(2):  # the first step infers shapes; the second is recorded
             pipe.step(x, y)
-            if step:  # the first step infers shapes
-                stats = pipe.bubble()
-                steps.append((stats["busy_s"], stats["wall_s"]))
-        results["bubble"][(schedule, m)] = steps
+        timer = pipe.timer
+        results["bubble"][(schedule, m)] = {"events": [tuple(e) for e in timer.events],
+                                            "wall": timer.step_end - timer.step_start}
     for schedule in ("gpipe", "1f1b"):
         torch.manual_seed(0)
         stage = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
@@ -102,22 +118,99 @@ def measured() -> list[dict]:
     return run_distributed(_worker, P, timeout=240)
 
 
-def _overall(measured: list[dict], case: tuple[str, int]) -> float:
-    # a step lasts as long as the pipeline's longest rank (the last stage is done early and waits)
-    per_rank = [r["bubble"][case] for r in measured]
-    walls = [max(steps[i][1] for steps in per_rank) for i in range(len(per_rank[0]))]
-    return sum(1 - sum(b for b, _ in steps) / sum(walls) for steps in per_rank) / len(per_rank)
+def replay(orders: list[list[tuple[int, str, int, float]]], n_stages: int) -> list[StageTimer]:
+    """Each rank's actions ``(stage, kind, micro-batch, seconds)`` in its recorded order, timed again
+    on a clock of its own: an action starts when the rank is free and its input has arrived (free
+    communication). Returns the ranks' timers, as a real schedule call leaves them."""
+    clocks = [FakeClock() for _ in orders]
+    timers = [StageTimer(clock=c) for c in clocks]
+    for t in timers:
+        t.begin_step()
+    done: dict[tuple[str, int, int], float] = {}
+    pos = [0] * len(orders)
+    while any(i < len(o) for i, o in zip(pos, orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                stage, kind, mb, seconds = order[pos[r]]
+                dep = {"F": ("F", stage - 1, mb) if stage > 0 else None,
+                       "B": ("B", stage + 1, mb) if stage < n_stages - 1 else None}.get(kind)
+                if dep is not None and dep not in done:
+                    break
+                clocks[r].now = max(clocks[r].now, done.get(dep, 0.0))
+                with timers[r].record(stage, kind, mb):
+                    clocks[r].advance(seconds)
+                done[(kind, stage, mb)] = clocks[r].now
+                pos[r] += 1
+                moved = True
+        assert moved, f"the recorded orders deadlock: {pos}"
+    for t in timers:
+        t.end_step()
+    return timers
+
+
+def _summary(timers: list[StageTimer], schedule: str, m: int) -> dict:
+    """``bubble_summary`` of one step of these ranks' timers, as BubbleMonitor measures and gathers it."""
+    records = []
+    for rank, timer in enumerate(timers):
+        meter = BubbleMeter()
+        meter.add(timer, step=1)
+        records.append(meter.record(rank=rank, pp_rank=rank, replica=0, stages=sorted({e.stage for e in timer.events})))
+    info = {"schedule": schedule, "pp": len(timers), "n_microbatches": m, "virtual_stages": V.get(schedule, 1)}
+    return bubble_summary(records, info)
+
+
+def _orders(measured: list[dict], case: tuple[str, int]) -> list[list[tuple[int, str, int, float]]]:
+    return [[(stage, kind, mb, end - start) for stage, kind, mb, start, end in r["bubble"][case]["events"]]
+            for r in measured]
 
 
 @pytest.mark.slow
-def test_measured_bubble_matches_theory_on_balanced_stages(measured: list[dict]) -> None:
-    overall = {case: _overall(measured, case) for case in BUBBLE_CASES}
-    for (schedule, m), value in overall.items():
-        theory = theoretical_bubble(schedule, P, m)
-        assert value == pytest.approx(theory, abs=MARGIN), (schedule, m, value, theory)
+def test_the_real_schedule_records_every_action_with_its_time(measured: list[dict]) -> None:
+    for schedule, m in BUBBLE_CASES:
+        v = V.get(schedule, 1)
+        for rank, r in enumerate(measured):
+            got = r["bubble"][(schedule, m)]
+            stages = stage_indices_for_rank(schedule, rank, P, v)
+            kinds = Counter((stage, kind) for stage, kind, _, _, _ in got["events"])
+            want = Counter({(s, k): m for s in stages for k in "FB"} | ({(P * v - 1, "L"): m} if rank == P - 1 else {}))
+            assert kinds == want, (schedule, m, rank, kinds)
+            for stage, kind, mb, start, end in got["events"]:
+                assert end - start == {"F": T_F, "B": T_B, "L": 0.0}[kind], (schedule, m, rank, kind, mb)
+            # the clock moves only while a stage computes: the recorded step is all busy time
+            assert got["wall"] == v * m * (T_F + T_B)
+
+
+@pytest.mark.slow
+def test_measured_bubble_equals_theory_on_balanced_stages(measured: list[dict]) -> None:
+    overall = {}
+    for schedule, m in BUBBLE_CASES:
+        v = V.get(schedule, 1)
+        s = _summary(replay(_orders(measured, (schedule, m)), P * v), schedule, m)
+        theory = theoretical_bubble(schedule, P, m, v)
+        assert s["theory"] == theory and s["measured_steps"] == 1
+        assert s["measured"] == pytest.approx(theory, rel=1e-12, abs=1e-12), (schedule, m, s["measured"], theory)
+        for st in s["per_stage"]:  # every rank: v m forwards and backwards in a step of (v m + p - 1) of them
+            assert st["busy_s"] == v * m * (T_F + T_B) and st["wall_s"] == (v * m + P - 1) * (T_F + T_B)
+            assert st["busy_s_by_stage"] == {str(i): m * (T_F + T_B)
+                                             for i in stage_indices_for_rank(schedule, st["pp_rank"], P, v)}
+        overall[(schedule, m)] = s["measured"]
     gpipe = [overall[("gpipe", m)] for m in (1, 2, 4, 8)]
     assert all(a > b for a, b in zip(gpipe, gpipe[1:])), gpipe  # more micro-batches, smaller bubble
-    assert overall[("gpipe", 1)] > 0.7  # naive model parallelism: one stage busy at a time, (p-1)/p idle
+    assert overall[("gpipe", 1)] == pytest.approx(0.75)  # naive model parallelism: one stage busy at a time
+
+
+@pytest.mark.slow
+def test_a_slow_stage_shows_as_a_larger_bubble(measured: list[dict]) -> None:
+    """The theory assumes equal stages; measured on the same schedule with stage 1 twice as slow,
+    the bubble grows (the other ranks wait on it) and stage 1 idles least."""
+    m = 4
+    orders = [[(stage, kind, mb, 2 * sec if stage == 1 else sec) for stage, kind, mb, sec in order]
+              for order in _orders(measured, ("gpipe", m))]
+    s = _summary(replay(orders, P), "gpipe", m)
+    assert s["measured"] > theoretical_bubble("gpipe", P, m) + 0.05
+    idle = [st["bubble"] for st in s["per_stage"]]
+    assert min(idle) == idle[1], idle
 
 
 @pytest.mark.slow
@@ -134,6 +227,30 @@ def test_1f1b_keeps_fewer_activations_than_gpipe_on_the_first_stage(measured: li
     for r in measured:
         for v in r["memory"].values():
             assert v["live_after"] == 0  # everything saved was released after backward
+
+
+def test_bubble_meter_reads_the_timer_on_an_injected_clock() -> None:
+    """One rank's schedule call on a fake clock: busy = the recorded actions, wall = the call, the
+    events shifted onto the wall clock by the meter's offset."""
+    clock = FakeClock()
+    timer = StageTimer(clock=clock)
+    meter = BubbleMeter(keep_steps=1, offset=100.0)
+    for step in range(2):
+        timer.begin_step()
+        clock.advance(1.0)  # waiting for the first activation
+        with timer.record(0, "F", 0):
+            clock.advance(T_F)
+        clock.advance(0.5)
+        with timer.record(0, "B", 0):
+            clock.advance(T_B)
+        timer.end_step()
+        assert meter.add(timer, step=step) == pytest.approx(1.5 / 4.5)
+    assert meter.busy == [3.0, 3.0] and meter.wall == [4.5, 4.5] and meter.busy_by_stage == {0: 6.0}
+    (kept,) = meter.steps  # keep_steps=1: the last step only
+    assert kept["step"] == 1 and (kept["start"], kept["end"]) == (104.5, 109.0)
+    assert kept["events"] == [(0, "F", 0, 105.5, 106.5), (0, "B", 0, 107.0, 109.0)]
+    record = meter.record(rank=3, pp_rank=0, replica=1, stages=[0], activations={0: 64})
+    assert record["n"] == 2 and record["activations"] == {0: 64} and record["replica"] == 1
 
 
 def test_activation_meter_counts_saved_tensors_once_and_releases_them() -> None:
@@ -182,7 +299,6 @@ def test_bubble_summary_trace_and_timeline(tmp_path) -> None:
     first = min(spans, key=lambda e: e["ts"])
     assert first["ts"] == pytest.approx(0.0) and first["dur"] == pytest.approx(1e4) and first["name"] == "F0"
 
-    pytest.importorskip("matplotlib")
     assert draw_timeline(ranks, str(tmp_path / "timeline.png"), INFO, s)
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -196,7 +312,6 @@ def test_bubble_sweep_figure(tmp_path, capsys) -> None:
         (job / "summary.json").write_text(json.dumps({"bubble": bubble, "step_time_s": 0.1}))
     (tmp_path / "9").mkdir()
     (tmp_path / "9" / "summary.json").write_text(json.dumps({"bubble": None}))  # a non-pipeline job
-    pytest.importorskip("matplotlib")
     path = plot_bubble_sweep(str(tmp_path))
     assert path and (tmp_path / "bubble_vs_microbatches.png").exists()
     rows = json.loads((tmp_path / "bubble_sweep.json").read_text())

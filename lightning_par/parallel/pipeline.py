@@ -21,8 +21,10 @@ mean, i.e. the single-device loss. ``Pipeline.step`` returns that mean on every 
 
 Bubble: ``TimedPipelineStage`` records ``(stage, kind, micro-batch, start, end)`` for every
 forward (``F``), full backward (``B``), input-only backward (``I``), weight backward (``W``) and
-loss (``L``) with ``time.perf_counter``; ``bubble_stats`` turns them into busy time vs. step
-wall time. Idle time includes waiting on communication, which is what a bubble costs.
+loss (``L``) in a ``StageTimer``, read off its clock (``time.perf_counter`` unless
+``build_schedule`` is given another, e.g. a test's deterministic one), as are the start and end of
+every schedule call; ``bubble_stats`` turns them into busy time vs. step wall time. Idle time
+includes waiting on communication, which is what a bubble costs.
 """
 
 from __future__ import annotations
@@ -249,28 +251,34 @@ class StageEvent(NamedTuple):
     stage: int
     kind: str  # F forward, B full backward, I input backward, W weight backward, L loss
     microbatch: int
-    start: float  # time.perf_counter()
+    start: float  # seconds on the timer's clock
     end: float
 
 
 @dataclass
 class StageTimer:
-    """Collects the compute events of this rank's stages and the wall time of the last step."""
+    """Collects the compute events of this rank's stages and the wall time of the last step, read off
+    ``clock`` (seconds; ``time.perf_counter`` unless one is injected)."""
 
     events: list[StageEvent] = field(default_factory=list)
     step_start: float = 0.0
     step_end: float = 0.0
+    clock: Callable[[], float] = time.perf_counter
 
     @contextlib.contextmanager
     def record(self, stage: int, kind: str, microbatch: int) -> Iterator[None]:
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
-            self.events.append(StageEvent(stage, kind, microbatch, start, time.perf_counter()))
+            self.events.append(StageEvent(stage, kind, microbatch, start, self.clock()))
 
-    def clear(self) -> None:
+    def begin_step(self) -> None:
         self.events.clear()
+        self.step_start = self.clock()
+
+    def end_step(self) -> None:
+        self.step_end = self.clock()
 
 
 def bubble_stats(events: Sequence[StageEvent], step_start: float, step_end: float) -> dict:
@@ -359,10 +367,9 @@ class Pipeline:
         aux = aux_loss_sources(self.modules)
         for m in aux:
             m.clear_stats()
-        self.timer.clear()
-        self.timer.step_start = time.perf_counter()
+        self.timer.begin_step()
         fn(*args, target=target if self.has_last else None, losses=losses)
-        self.timer.step_end = time.perf_counter()
+        self.timer.end_step()
         for m in aux:  # each of this rank's stages ran one forward per micro-batch (+ shape inference once)
             m.keep_last_forwards(self.n_microbatches)
         loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
@@ -418,6 +425,7 @@ def build_schedule(
     virtual_stages: int = 1,
     stage_indices: Sequence[int] | None = None,
     device: torch.device | str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Pipeline:
     """Wrap this rank's stage modules in pipeline stages and build the schedule.
 
@@ -427,6 +435,7 @@ def build_schedule(
         loss_fn: ``loss_fn(output, target)``, a mean over one micro-batch.
         pp_group: the pipeline axis (1-D mesh or process group); default: the world.
         stage_indices: defaults to ``stage_indices_for_rank`` of this rank.
+        clock: what the pipeline's ``StageTimer`` reads its times from (seconds).
     """
     group = _group_of(pp_group)
     pp_size = dist.get_world_size(group)
@@ -439,7 +448,7 @@ def build_schedule(
         raise ValueError(f"got {len(modules)} stage modules for stages {indices} of pipeline rank {pp_rank}")
     if device is None:
         device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
-    timer = StageTimer()
+    timer = StageTimer(clock=clock)
     last = n_stages - 1
 
     def timed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
