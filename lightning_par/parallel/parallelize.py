@@ -1,23 +1,26 @@
 """The one place where techniques are applied to a model, in one order (torchtitan's ``parallelize_*``).
 
-Every strategy and every pipeline stage goes through ``parallelize(module, spec)``:
+Every strategy and every pipeline stage goes through ``parallelize(module, spec)``. It runs the
+steps of docs/architecture.md's "Order of techniques" (the one list of them) from **build on
+meta** to **materialise**; each is marked with its name in the code below:
 
-0. remember how to initialise the model (meta copies of its init groups, ``materialize.py``, and
-   where its tensors came from in the constructor's recorded calls, ``init_trace.py``), or,
-   for a model built with real tensors, move it to the device;
-1. tile the layers named in ``spec.tiling`` (``tiling.py``: a large ``nn.Linear`` becomes k
-   tiles computed in turn; each tile is checkpointed in step 4 and is an FSDP unit in step 6);
-2. cut pipeline stages (``spec.cut``: keeps this rank's stages, drops the other layers);
-3. tensor parallel on each stage (or the whole model), then expert parallel (``spec.expert_parallel``:
-   the routed experts sharded over the ep axis, ``expert_parallel.py``);
-4. activation checkpointing of the blocks present (and of the tiles);
-5. compilation of each block (``module.compile()`` in place: state-dict keys do not change);
-6. FSDP2 ``fully_shard`` (the expert modules over their own data axis -- or, with none beside ep,
-   left out of FSDP -- then units, then the stage/model root);
-7. materialise: allocate only this rank's local tensors and fill them with the model's own,
-   layout-independent initialisation.
+- **build on meta**: remember how to initialise the model (meta copies of its init groups,
+  ``materialize.py``, and where its tensors came from in the constructor's recorded calls,
+  ``init_trace.py``), or, for a model built with real tensors, move it to the device;
+- **tile**: the layers named in ``spec.tiling`` (``tiling.py``: a large ``nn.Linear`` becomes k
+  tiles computed in turn; each tile is checkpointed in **checkpoint activations** and is an FSDP
+  unit in **fully shard**);
+- **cut stages**: ``spec.cut`` keeps this rank's pipeline stages and drops the other layers;
+- **tensor parallel** on each stage (or the whole model), then **expert parallel**
+  (``spec.expert_parallel``: the routed experts sharded over the ep axis, ``expert_parallel.py``);
+- **checkpoint activations** of the blocks present (and of the tiles);
+- **compile** each block (``module.compile()`` in place: state-dict keys do not change);
+- **fully shard**: FSDP2 ``fully_shard`` (the expert modules over their own data axis -- or, with
+  none beside ep, left out of FSDP -- then units, then the stage/model root);
+- **materialise**: allocate only this rank's local tensors and fill them with the model's own,
+  layout-independent initialisation.
 
-DDP wrapping and the optimizer come after, in the strategy (Lightning's DDP wrapper broadcasts
+**wrap DDP** and **build optimizer** come after, in the strategy (Lightning's DDP wrapper broadcasts
 rank 0's parameters when it is built, so it needs materialised parameters; optimizers need the final
 parameters). Each step is a plain-torch function of its own module; this function only fixes the
 order and decides what each step sees.
@@ -83,17 +86,17 @@ class Techniques:
     plan: ResolvedPlan
     seed: int = 0
     init_fn: InitFn | None = None
-    #: step 1: module path -> tile count (``tiling.py``), e.g. ``{"net.head.lm_head": 4}``
+    #: tile: module path -> tile count (``tiling.py``), e.g. ``{"net.head.lm_head": 4}``
     tiling: dict[str, int] = field(default_factory=dict)
-    #: step 0: what the constructor did to the meta tensors (``init_trace.py``), replayed for the
+    #: build on meta: what the constructor did to the meta tensors (``init_trace.py``), replayed for the
     #: tensors that no init function sets
     init_trace: InitTrace | None = None
-    #: step 2: takes the whole model, returns this rank's stage modules (sharing its submodules)
+    #: cut stages: takes the whole model, returns this rank's stage modules (sharing its submodules)
     cut: Callable[[nn.Module], list[nn.Module]] | None = None
     tensor_parallel: TensorParallel | None = None
     expert_parallel: ExpertParallel | None = None
     activation_checkpointing: bool = False
-    #: step 3 for models with their own mechanism (Hugging Face ``gradient_checkpointing_enable``)
+    #: checkpoint activations for models with their own mechanism (Hugging Face ``gradient_checkpointing_enable``)
     own_checkpointing: Callable[[nn.Module], bool] | None = None
     compile: bool = False
     compile_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -117,19 +120,20 @@ def _exists(root: nn.Module, path: str) -> bool:
 
 
 def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
-    """Apply ``spec`` to ``module`` in the order of the module docstring; returns the stage modules
-    of this rank (``[module]`` without a pipeline)."""
+    """Apply ``spec`` to ``module`` in the order of techniques (the module docstring); returns the
+    stage modules of this rank (``[module]`` without a pipeline)."""
     plan = spec.plan.plan
     deferred = has_meta_tensors(module)
+    # build on meta (done by the strategy): remember how to initialise what was built
     templates = capture_templates(module, init_groups(module, plan.blocks)) if deferred else None
     refs = tensor_refs(module) if deferred and spec.init_trace is not None else None
     if not deferred:
         module.to(spec.device)
 
-    tiles = apply_tiling(module, spec.tiling) if spec.tiling else []                     # 1. tiling
-    stages = spec.cut(module) if spec.cut is not None else [module]                      # 2. pipeline cut
+    tiles = apply_tiling(module, spec.tiling) if spec.tiling else []                     # tile
+    stages = spec.cut(module) if spec.cut is not None else [module]                      # cut stages
     for stage in stages:
-        if spec.tensor_parallel is not None:                                             # 3. tensor parallel
+        if spec.tensor_parallel is not None:                                             # tensor parallel
             tp = spec.tensor_parallel
             # a pipeline stage registers its layers under their full paths: the plan's patterns fit as they are
             # experts stay plain for expert parallelism to shard over ep (every tp rank runs them whole)
@@ -137,22 +141,22 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
             apply_tensor_parallel(stage, tp_mesh=tp.mesh, plan=plan.tp_plan,
                                   sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
                                   divisible=plan.tp_divisible, strict=spec.cut is None, keep_plain=experts)
-        if spec.expert_parallel is not None:                                             # 3. expert parallel
+        if spec.expert_parallel is not None:                                             # expert parallel
             ep = spec.expert_parallel
             expert_modules = apply_expert_parallel(stage, ep_mesh=ep.mesh, experts=_blocks_in(stage, module, ep.experts))
         blocks = _blocks_in(stage, module, plan.blocks)
         stage_tiles = _blocks_in(stage, module, tiles)
-        if spec.activation_checkpointing:                                                # 4. checkpointing
+        if spec.activation_checkpointing:                                                # checkpoint activations
             if spec.own_checkpointing is None or not spec.own_checkpointing(stage):
                 apply_activation_checkpointing(stage, blocks=blocks)
         # tiles: always checkpointed (their point is memory), unless a checkpointed block already holds them
         held = blocks if spec.activation_checkpointing else []
         apply_activation_checkpointing(stage, blocks=[t for t in stage_tiles
                                                       if not any(t.startswith(b + ".") for b in held)])
-        if spec.compile:                                                                 # 5. compile
+        if spec.compile:                                                                 # compile
             for path in blocks:
                 stage.get_submodule(path).compile(**spec.compile_kwargs)
-        if spec.fully_shard is not None:                                                 # 6. FSDP
+        if spec.fully_shard is not None:                                                 # fully shard
             fs = spec.fully_shard
             ignored = None
             if spec.expert_parallel is not None and spec.expert_parallel.fsdp_mesh is not None:
@@ -164,13 +168,13 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
             units = blocks if fs.units is None else resolve_units(stage, fs.units if isinstance(fs.units, (str, int))
                                                                   else list(fs.units))
             if stage_tiles:  # each tile a unit of its own (nested units are sharded first), in model order
-                # by identity: checkpoint wrappers (step 4) renamed the modules below a wrapped block
+                # by identity: checkpoint activations' wrappers renamed the modules below a wrapped block
                 order = {id(m): i for i, m in enumerate(stage.modules())}
                 units = sorted({*units, *stage_tiles}, key=lambda path: order[id(stage.get_submodule(path))])
             apply_fsdp(stage, mesh=fs.mesh, units=units, reshard_after_forward=fs.reshard_after_forward,
                        param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
                        prefetch=fs.prefetch, ignored_params=ignored)
-    if templates is not None:                                                            # 7. materialise
+    if templates is not None:                                                            # materialise
         offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn,
                         param_device=torch.device("cpu") if offload else None, trace=spec.init_trace, refs=refs)

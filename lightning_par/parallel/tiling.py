@@ -8,10 +8,11 @@ concatenated along the last dimension::
     y = x W^T + b = [x W_1^T + b_1, ..., x W_k^T + b_k]
 
 The result is the same function with the same parameter values (``W_i`` is rows ``i*out/k ..
-(i+1)*out/k - 1`` of ``W``). ``parallelize`` (step 1b) makes each tile its own FSDP unit and
-checkpoints it, so under FSDP a tile's all-gather, compute and free happen one tile at a time: the
-largest unit gathered shrinks from the whole layer to 1/k of it (plus FSDP's prefetch of the next
-unit). Activation memory is not reduced (the concatenated output is the layer's full output).
+(i+1)*out/k - 1`` of ``W``). ``parallelize`` checkpoints each tile (**checkpoint activations**) and
+makes it an FSDP unit of its own (**fully shard**), so under FSDP a tile's all-gather, compute and
+free happen one tile at a time: the largest unit gathered shrinks from the whole layer to 1/k of it
+(plus FSDP's prefetch of the next unit). Activation memory is not reduced (the concatenated output
+is the layer's full output).
 
 Materialisation (``materialize.py``) fills each tile from the untiled layer's initialisation via
 ``tile_sources``, so a tiled model starts from exactly the weights of the untiled one.

@@ -5,13 +5,13 @@
 ``pipeline.py`` and ``tensor_parallel.py`` for the one-axis presets, and ``FSDPTPStrategy`` /
 ``Parallel3DStrategy`` below). The mesh is ``ParallelDims(pp, dp_replicate | dp_shard, tp)``;
 ``dp = world / (pp * tp)`` is inferred. This file decides the sizes, checks them, and says which
-techniques to apply (``techniques``); ``parallel/parallelize.py`` applies them in its one order:
-pipeline cut (``parallel/stages.py``: the model's ``layers`` cut into ``pp * virtual_stages``
-stages, balanced by parameters or measured time, or at explicit ``split_points``), TP on each
-stage, activation checkpointing, compile, FSDP over ``dp_shard`` (or, with
-``data_parallel="replicate"``, gradients averaged over ``dp_replicate`` after backward), then
-materialisation of this rank's part. Running the schedule inside Lightning's loop is
-``pipeline_loop.py``.
+techniques to apply (``techniques``); ``parallel/parallelize.py`` applies them in the order of
+techniques (docs/architecture.md): **cut stages** (``parallel/stages.py``: the model's ``layers``
+cut into ``pp * virtual_stages`` stages, balanced by parameters or measured time, or at explicit
+``split_points``), **tensor parallel** on each stage, **checkpoint activations**, **compile**,
+**fully shard** over ``dp_shard`` (or, with ``data_parallel="replicate"``, gradients averaged over
+``dp_replicate`` after backward), then **materialise** this rank's part. Running the schedule
+inside Lightning's loop is ``pipeline_loop.py``.
 
 Checkpoints use the strategy-neutral format of ``checkpoint.py`` (``torch.distributed.checkpoint``
 directories, every tensor under the full model's parameter name, each rank writing what it holds),
@@ -360,7 +360,8 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         return stages
 
     def _cut(self, module: nn.Module, layers: Sequence[str]) -> list[nn.Module]:
-        """Step 1 of ``parallelize``: this rank's stage modules; other layers become ``RemoteLayer``s."""
+        """The **cut stages** step of ``parallelize``: this rank's stage modules; other layers become
+        ``RemoteLayer``s."""
         dims, mesh, trainer = self.parallel_dims, self.device_mesh, self.lightning_module.trainer
         layers = list(layers)
         m = self.n_microbatches_for(dims.pp)
