@@ -7,7 +7,9 @@ sharded data parallelism at 2 ranks against one rank (per-step losses, SGD, rtol
   use is now left to the root (``parallel/fsdp.keep_ties_whole``);
 - OPT and Llama with ``tie_word_embeddings=true`` (tied input/output embeddings);
 - T5 (encoder-decoder; one table shared by encoder, decoder and head) and a ViT (cls token and
-  position embeddings made directly in its constructor).
+  position embeddings made directly in its constructor);
+- Mixtral and Qwen2-MoE (routed experts, Qwen2-MoE's shared expert beside them) also under
+  expert_parallel (ep=2, the rest replicated or FSDP-sharded): tokens travel to their experts' rank.
 
 One script run trains every family under every strategy in the same processes.
 """
@@ -47,7 +49,12 @@ SCRIPT = textwrap.dedent('''
                                                 decoder_start_token_id=0)),
         "vit": (AutoModelForImageClassification, dict(image_size=16, patch_size=4, num_channels=3, num_labels=5,
                                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        # Hugging Face MoE: experts declared by the config's base_model_ep_plan, spread by expert_parallel
+        "mixtral": (AutoModelForCausalLM, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": (AutoModelForCausalLM, dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=64)),
     }
+    MOE = ("mixtral", "qwen2_moe")
 
     class LM(L.LightningModule):
         def __init__(self, family):
@@ -85,13 +92,19 @@ SCRIPT = textwrap.dedent('''
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self.values.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
+    def make(name):  # "lp_expert_parallel:fsdp": the registered strategy with data_parallel=fsdp
+        if ":" not in name:
+            return name
+        from lightning_par.strategies.expert_parallel import ExpertParallelStrategy
+        return ExpertParallelStrategy(data_parallel=name.split(":")[1])
+
     def run(strategy, devices, family):
         L.seed_everything(0, verbose=False)
         g = torch.Generator().manual_seed(1)  # arithmetic runs: learnable from the neighbouring tokens
         start, stride = torch.randint(0, 252, (128, 1), generator=g), torch.randint(1, 4, (128, 1), generator=g)
         ids = (start + stride * torch.arange(16)) % 252 + 4
         losses = Losses()
-        trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, callbacks=[losses],
+        trainer = L.Trainer(strategy=make(strategy), devices=devices, accelerator="cpu", max_steps=STEPS, callbacks=[losses],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
         trainer.fit(LM(family), DataLoader(TensorDataset(ids), batch_size=8 // devices, shuffle=False))
@@ -99,7 +112,8 @@ SCRIPT = textwrap.dedent('''
 
     STEPS = 10
     out, devices, names = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
-    result = {f"{fam}/{name}": run(name, devices, fam) for fam in FAMILIES for name in names}
+    result = {f"{fam}/{name}": run(name, devices, fam) for fam in FAMILIES for name in names
+              if "expert_parallel" not in name or fam in MOE}
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -119,16 +133,18 @@ def run_script(tmp_path: Path, devices: int, strategies: list[str]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_bert_opt_tied_llama_t5_vit_under_sharded_data_parallel(tmp_path: Path) -> None:
+def test_bert_opt_tied_llama_t5_vit_moe_under_sharded_and_expert_parallel(tmp_path: Path) -> None:
     ref = run_script(tmp_path, 1, ["lp_ddp"])
-    two = run_script(tmp_path, 2, ["lp_zero3", "lp_fsdp"])
-    for fam in ("bert", "opt", "llama", "t5", "vit"):
+    two = run_script(tmp_path, 2, ["lp_zero3", "lp_fsdp", "lp_expert_parallel", "lp_expert_parallel:fsdp"])
+    for fam in ("bert", "opt", "llama", "t5", "vit", "mixtral", "qwen2_moe"):
         base = ref[f"{fam}/lp_ddp"]
         assert len(base) == 10 and np.isfinite(base).all() and np.ptp(base) > 1e-3, (fam, base)  # it trains
         if fam != "vit":  # the token tasks are learnable in 10 steps (the ViT's 16-pixel images are noisy)
             assert base[-1] < base[0], (fam, base)
-        for name in ("lp_zero3", "lp_fsdp"):
+        names = ("lp_zero3", "lp_fsdp") + (("lp_expert_parallel", "lp_expert_parallel:fsdp") if fam in ("mixtral", "qwen2_moe") else ())
+        for name in names:
             np.testing.assert_allclose(two[f"{fam}/{name}"], base, rtol=1e-5, err_msg=f"{fam} {name} x2")
+    assert not any("expert_parallel" in k and not k.startswith(("mixtral", "qwen2_moe")) for k in two)
 
 
 def test_pipeline_tie_refusals_give_advice_that_can_be_followed() -> None:

@@ -103,20 +103,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-@dataclass(frozen=True)
-class MoEPlan(ParallelPlan):
-    """``ParallelPlan`` plus where the routed experts are (``Experts`` modules: stacked weights whose
-    dim 0 is the expert) and how many each holds (what ep must divide)."""
-
-    experts: tuple[str, ...] = ()
-    n_experts: int = 0
-
-    def prefixed(self, prefix: str) -> "MoEPlan":
-        out = super().prefixed(prefix)
-        p = prefix.rstrip(".") + "." if prefix else ""
-        return MoEPlan(**{**out.__dict__, "experts": tuple(p + x for x in self.experts)})
-
-
 class Dispatcher(Protocol):
     """Runs ``experts`` on rows sorted by expert: ``counts[e]`` rows for expert e in order, then
     ``counts[E]`` dropped rows (ignored). Returns the outputs of the kept rows, in the same order."""
@@ -319,11 +305,11 @@ class MoEGPT(GPT):
         losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
-    def parallel_plan(self) -> MoEPlan:
+    def parallel_plan(self) -> ParallelPlan:
         return moe_plan(self.config)
 
 
-def moe_plan(cfg: MoEConfig) -> MoEPlan:
+def moe_plan(cfg: MoEConfig) -> ParallelPlan:
     """Blocks (FSDP / checkpointing units), layers (pipeline cuts), the expert modules, and the GPT's
     tensor-parallel styles: the attention and the dense blocks' MLPs are split as in the GPT, while an
     MoE layer (router, experts, shared expert) runs whole on every tensor-parallel rank -- its input
@@ -335,5 +321,5 @@ def moe_plan(cfg: MoEConfig) -> MoEPlan:
     tp_plan |= {f"blocks.{i}.mlp.{name}": style for i in range(cfg.n_layer) if not cfg.is_moe(i)
                 for name, style in (("fc", "colwise"), ("proj", "rowwise"))}
     divisible = {k: v for k, v in dense.tp_divisible.items() if k != "mlp hidden" or cfg.n_moe_layers < cfg.n_layer}
-    return MoEPlan(layers=("embed", *blocks, "head"), blocks=blocks, experts=experts, n_experts=cfg.n_experts,
+    return ParallelPlan(layers=("embed", *blocks, "head"), blocks=blocks, experts=experts, n_experts=cfg.n_experts,
                    tp_plan=tp_plan, tp_divisible=divisible)

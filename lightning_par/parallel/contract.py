@@ -46,6 +46,9 @@ class ParallelPlan:
     - ``tp_divisible``: sizes the tensor-parallel degree must divide (heads, hidden, vocabulary).
     - ``tp_refusal``: why a plan the model declares cannot be used (one line naming the style and
       the model), given instead of ``tp_plan``; tensor parallelism refuses with it.
+    - ``experts``: the routed-expert modules expert parallelism shards over ``ep`` (stacked weights
+      whose dim 0 is the expert: our ``Experts``, or a Hugging Face experts module taking
+      ``(hidden_states, top_k_index, top_k_weights)``); ``n_experts``: experts in each (what ep divides).
     """
 
     layers: tuple[str, ...] = ()
@@ -53,6 +56,8 @@ class ParallelPlan:
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_divisible: dict[str, int] = field(default_factory=dict)
     tp_refusal: str = ""
+    experts: tuple[str, ...] = ()
+    n_experts: int = 0
 
     def prefixed(self, prefix: str) -> "ParallelPlan":
         if not prefix:
@@ -63,6 +68,7 @@ class ParallelPlan:
             layers=tuple(p + x for x in self.layers),
             blocks=tuple(p + x for x in self.blocks),
             tp_plan={p + k: v for k, v in self.tp_plan.items()},
+            experts=tuple(p + x for x in self.experts),
         )
 
 

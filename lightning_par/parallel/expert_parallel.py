@@ -42,6 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_par.parallel import hf_experts
+
 
 class EPDispatch:
     """The token dispatcher of one ``Experts`` module under expert parallelism (see module docstring)."""
@@ -93,12 +95,20 @@ def apply_expert_parallel(module: nn.Module, *, ep_mesh: DeviceMesh, experts: Se
     done = []
     for path in experts:
         mod = module.get_submodule(path)
+        for name, b in mod.named_buffers():  # per-expert state the split would leave whole: wrong silently
+            if b.dim() and mod._parameters and b.shape[0] == next(iter(mod._parameters.values())).shape[0]:
+                raise ValueError(f"expert parallelism: {type(mod).__name__} at {path} holds a per-expert buffer "
+                                 f"{name!r} that only its parameters' split would cover; use ep=1")
         for name, p in list(mod.named_parameters(recurse=False)):
             n = p.shape[0]
             check_expert_parallel(ep_mesh.size(), n, type(module).__name__)
             mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
                                                       requires_grad=p.requires_grad))
-        mod.dispatch = EPDispatch(ep_mesh.get_group(), n)
+        dispatch = EPDispatch(ep_mesh.get_group(), n)
+        if hasattr(mod, "dispatch"):  # our ``Experts``: it calls its dispatcher itself
+            mod.dispatch = dispatch
+        else:  # a Hugging Face experts module (``hf_experts.py``): its forward is wrapped
+            hf_experts.install(mod, dispatch, n)
         mod.grad_scale = 1.0 / ep_mesh.size()  # the ep group's summed gradient -> its mean (see Experts)
         done.append(mod)
     return done

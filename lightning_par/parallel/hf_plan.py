@@ -153,8 +153,34 @@ def hf_parallel_plan(model: nn.Module) -> ParallelPlan | None:
     if refusal:
         log.info("%s; tensor parallelism is unavailable for this model", refusal)
         tp_plan = {}
+    experts, n_experts = hf_experts(model)
     return ParallelPlan(layers=hf_layers(model), blocks=hf_blocks(model), tp_plan=tp_plan,
-                        tp_divisible=hf_tp_divisible(model) if tp_plan else {}, tp_refusal=refusal)
+                        tp_divisible=hf_tp_divisible(model) if tp_plan else {}, tp_refusal=refusal,
+                        experts=experts, n_experts=n_experts)
+
+
+def _matches(pattern: str, path: str) -> bool:
+    """``*`` matches one path component (Hugging Face plans' convention)."""
+    a, b = pattern.split("."), path.split(".")
+    return len(a) == len(b) and all(x in ("*", y) for x, y in zip(a, b))
+
+
+def hf_experts(model: nn.Module) -> tuple[tuple[str, ...], int]:
+    """The routed-expert modules the config's ``base_model_ep_plan`` declares (style
+    ``ep_dispatch_experts``: stacked weights whose dim 0 is the expert, called with
+    ``(hidden_states, top_k_index, top_k_weights)``) and their expert count; ((), 0) without any."""
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    patterns = [k for k, v in plan.items() if v == "ep_dispatch_experts"]
+    if not patterns:
+        return (), 0
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model else ""
+    paths = tuple(path for path, _ in model.named_modules()
+                  if any(_matches(prefix + pat, path) for pat in patterns))
+    counts = {p.shape[0] for path in paths for p in model.get_submodule(path).parameters(recurse=False)}
+    if len(counts) != 1:  # no stacked weights, or stacks of different lengths: not the declared layout
+        return (), 0
+    return paths, counts.pop()
 
 
 # ---------------------------------------------------------------------------------------------
