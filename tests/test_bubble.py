@@ -317,3 +317,14 @@ def test_bubble_sweep_figure(tmp_path, capsys) -> None:
     rows = json.loads((tmp_path / "bubble_sweep.json").read_text())
     assert [r["n_microbatches"] for r in rows] == [1, 2, 4]
     assert "gpipe" in capsys.readouterr().out
+
+
+def test_summary_prints_a_bubble_nothing_measured():
+    """A pipeline run too short to measure a step past the first has a bubble of None: the printed
+    table says so (it raised a TypeError at the end of a 2-step 3d run, leaving error.json)."""
+    from lightning_par.callbacks.summary import format_summary
+
+    s = {"strategy": "3d", "world_size": 4, "mesh": {"pp": 2, "tp": 2}, "model": "m", "n_params": 1e6,
+         "precision": "32-true", "steps": 2, "global_batch_size": 8, "losses": [1.0, 0.9], "final_loss": 0.9,
+         "bubble": {"measured": None, "theory": 0.2}}
+    assert "pipeline bubble measured n/a  theory 0.200" in format_summary(s)

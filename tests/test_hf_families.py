@@ -148,9 +148,10 @@ def test_bert_opt_tied_llama_t5_vit_moe_under_sharded_and_expert_parallel(tmp_pa
 
 
 def test_pipeline_tie_refusals_give_advice_that_can_be_followed() -> None:
-    """A pipeline cannot keep a tie; the refusal's advice must work: Llama's head tie goes with
-    tie_word_embeddings=false (and the untied model passes), T5's shared encoder/decoder table does
-    not (transformers ties it whatever the flag), so T5 is not told to set the flag."""
+    """A pipeline keeps a tie whose uses all lie inside pipeline layers (a copy per stage, kept equal:
+    ``pipeline_ties.py``), so tied Llama passes with its own plan. A use outside every layer is refused,
+    with advice that works: Llama's head tie goes with tie_word_embeddings=false (and the untied
+    model passes); T5's shared table stays tied whatever the flag, so T5 is not told to set it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
@@ -165,10 +166,12 @@ def test_pipeline_tie_refusals_give_advice_that_can_be_followed() -> None:
         t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
                                                  vocab_size=128, tie_word_embeddings=False))
         tied, untied = llama(True), llama(False)
+    check_tied(tied, pp=2)  # its own plan: embedding and head are pipeline layers
     with pytest.raises(ValueError, match=r"no option of the model unties them.*use pp=1") as e:
-        check_tied(t5, pp=2)
+        check_tied(t5, pp=2, layers=("encoder", "decoder", "lm_head"))  # 'shared' in no layer
     assert "tie_word_embeddings=false" not in str(e.value) and "\n" not in str(e.value)
+    no_head = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm")
     with pytest.raises(ValueError, match="build the model with tie_word_embeddings=false"):
-        check_tied(tied, pp=2)
-    check_tied(untied, pp=2)  # the advice, followed
+        check_tied(tied, pp=2, layers=no_head)
+    check_tied(untied, pp=2, layers=no_head)  # the advice, followed
     check_tied(tied, tp=2)  # tensor parallelism keeps the tie

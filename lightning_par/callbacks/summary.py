@@ -198,7 +198,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"step {1000 * st:.1f} ms{samples}{extra}{mfu}")
     if s.get("bubble"):
         b = s["bubble"]
-        lines.append(f"pipeline bubble measured {b.get('measured', 0):.3f}  theory {b.get('theory', 0):.3f}")
+        # None where nothing was measured (a run too short for a step past the first)
+        fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"pipeline bubble measured {fmt(b.get('measured'))}  theory {fmt(b.get('theory'))}")
     mem = s.get("memory") or []
     if mem:
         lines.append(f"{'rank':>4} {'params':>11} {'grads':>11} {'optim':>11} {'offloaded':>11} {'peak alloc':>11}"

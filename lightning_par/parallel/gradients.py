@@ -16,12 +16,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, norm_type: float = 2.0,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: dist.ProcessGroup | None = None, norm_excluded: set[int] = frozenset()) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model spread over ranks; returns the total norm.
 
     The norm is that of the *whole* model's gradient: DTensor gradients (TP shards, FSDP shards) give
     their full norm over their own mesh; the ranks of a pipeline hold different stages, so their
     norms are combined over ``pp_group`` (sum of p-th powers, or max for the inf-norm).
+    ``norm_excluded``: ids of parameters clipped but not counted (a second pipeline stage's copy of a
+    shared weight, ``pipeline_ties.py``).
     """
     params = [p for p in parameters if p.grad is not None]
     # torch's foreach norm refuses a list mixing plain tensors and DTensors on different meshes (expert
@@ -34,6 +36,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, *, norm
         groups.setdefault(key, []).append(p)
     norms = []
     for group in groups.values():
+        group = [p for p in group if id(p) not in norm_excluded]
+        if not group:
+            continue
         n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float())
     if not norms:

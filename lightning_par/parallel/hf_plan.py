@@ -203,33 +203,40 @@ def declared_ties(model: nn.Module) -> list[tuple[str, str]]:
 
 
 
-def check_tied(model: nn.Module, *, tp: int = 1, pp: int = 1) -> None:
+def check_tied(model: nn.Module, *, tp: int = 1, pp: int = 1, layers: tuple[str, ...] | None = None) -> None:
     """Raise a one-line ``ValueError`` if a layout would silently untie ``model``'s tied parameters.
 
-    A pipeline puts the embedding on the first stage and the head on the last: two diverging copies.
-    Tensor parallelism keeps the tie when both uses split the weight alike (vocabulary rows, as
-    Megatron-LM does; ``tensor_parallel._retie_split`` re-ties or refuses in one line). Data-parallel strategies keep ties (checked by
-    the tests for ddp, zero1, zero2, zero3/fsdp/hsdp: FSDP2 shards a shared parameter once when both
-    uses are in the same unit, here the root).
+    A pipeline puts the embedding on the first stage and the head on the last; each keeps a copy,
+    kept equal as Megatron-LM's embedding group does (``pipeline_ties.py``) -- possible when every use
+    of the shared weight lies inside a pipeline layer (``layers``, paths in ``model``; default: the
+    model's own pipeline plan). Tensor parallelism keeps the tie when both uses split the weight
+    alike (vocabulary rows; ``tensor_parallel._retie_split`` re-ties or refuses in one line).
+    Data-parallel strategies keep ties (FSDP2 shards a shared parameter once, in one unit).
     """
     pairs = tied_parameters(model) or declared_ties(model)
-    if not pairs:
+    if not pairs or pp <= 1:
         return
-    names = f"{pairs[0][0]} and {pairs[0][1]}"
-    # tensor parallelism keeps a tie when both uses split the weight alike (tensor_parallel._retie_split)
-    if pp > 1:
-        # advice that can be followed: tie_word_embeddings unties only the output head from the input table
-        found = find_hf_model(model)
-        head = getattr(found[1], "get_output_embeddings", lambda: None)() if found else None
-        where = [f"{found[0]}.{n}".strip(".") + "." for n, m in found[1].named_modules() if m is head] if found else []
-        # only the output head shares the input table
-        head_only = bool(where) and all(a.startswith(where[0]) or b.startswith(where[0]) for a, b in pairs)
-        flag = getattr(getattr(found[1], "config", None), "tie_word_embeddings", None) if found else None
-        fix = ("build the model with tie_word_embeddings=false or use pp=1" if head_only and flag
-               else "no option of the model unties them (e.g. T5's shared encoder/decoder table): use pp=1 (a "
-                    "data-parallel, sharded or tensor-parallel strategy)")
-        raise ValueError(f"{type(model).__name__} ties {names}; a pipeline (pp={pp}) puts them on different "
-                         f"stages -- {fix}")
+    from lightning_par.parallel.pipeline_ties import layer_of
+
+    found = find_hf_model(model)
+    if layers is None:  # the Hugging Face model's own pipeline plan, under its path in ``model``
+        prefix = f"{found[0]}." if found and found[0] else ""
+        layers = tuple(prefix + x for x in hf_layers(found[1])) if found else ()
+    if not layers:  # no pipeline plan at all: the pipeline's own check refuses the model, saying so
+        return
+    outside = [name for pair in pairs for name in pair if layer_of(name, layers) is None]
+    if not outside:
+        return
+    # advice that can be followed: tie_word_embeddings unties only the output head from the input table
+    head = getattr(found[1], "get_output_embeddings", lambda: None)() if found else None
+    where = [f"{found[0]}.{n}".strip(".") + "." for n, m in found[1].named_modules() if m is head] if found else []
+    head_only = bool(where) and all(a.startswith(where[0]) or b.startswith(where[0]) for a, b in pairs)
+    flag = getattr(getattr(found[1], "config", None), "tie_word_embeddings", None) if found else None
+    fix = ("build the model with tie_word_embeddings=false or use pp=1" if head_only and flag
+           else "no option of the model unties them (e.g. T5's shared encoder/decoder table): use pp=1 (a "
+                "data-parallel, sharded or tensor-parallel strategy)")
+    raise ValueError(f"{type(model).__name__} ties {pairs[0][0]} and {pairs[0][1]}, but {outside[0]} lies outside "
+                     f"every pipeline layer, so no stage of a pipeline (pp={pp}) would own it -- {fix}")
 
 
 def verify_ties(model: nn.Module) -> None:

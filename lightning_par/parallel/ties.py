@@ -1,7 +1,8 @@
 """Tied parameters: one ``Parameter`` used by two modules (a language model's input embedding and
 output head). ``to_empty`` and per-module parameter replacement silently give each use its own
-copy; ``materialize`` re-ties after allocating, and layouts that cannot keep a tie (tensor
-parallelism, pipeline stages) are refused before they start (``hf_plan.check_tied``)."""
+copy; ``materialize`` re-ties after allocating. Tensor parallelism keeps a tie by splitting both uses
+alike (``tensor_parallel._retie_split``); pipeline stages keep a copy per stage, kept equal
+(``pipeline_ties.py``); a layout that can do neither is refused before it starts (``hf_plan.check_tied``)."""
 
 from __future__ import annotations
 

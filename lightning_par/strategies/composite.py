@@ -52,6 +52,8 @@ from lightning_par.parallel.pipeline import (
     stage_indices_for_rank,
     validate_pipeline,
 )
+from lightning_par.parallel.pipeline_ties import StageTie, broadcast_first_copy, plan_stage_ties
+from lightning_par.parallel.ties import tied_parameters
 from lightning_par.parallel.stages import drop_remote_layers, measure_layer_times, resolve_split_points
 from lightning_par.parallel.tensor_parallel import check_sequence_parallel, check_tp_divisible
 from lightning_par.strategies.base import ShardedStrategy
@@ -157,6 +159,7 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         self._parallelized = False
         self._loss_scale = 1.0
         self._pending_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._stage_ties: list[StageTie] = []  # a weight shared across pipeline ranks (pipeline_ties.py)
 
     # ----------------------------------------------------------------------------- sizes
     def _sizes(self, world_size: int) -> tuple[int, int, int]:
@@ -204,7 +207,7 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         dims.validate(world_size)
         plan = resolve_plan(module).plan
         model = type(module).__name__
-        check_tied(module, tp=dims.tp, pp=dims.pp)  # a layout that would silently untie shared weights
+        check_tied(module, tp=dims.tp, pp=dims.pp, layers=plan.layers)  # a layout that would untie shared weights
         if self.wants_sync_batchnorm():
             self.check_sync_batchnorm(world_size, module)
         if (self.param_dtype or self.reduce_dtype) and dims.dp_shard <= 1 and dims.ep > 1:
@@ -355,6 +358,7 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
     @override
     def prepare_model(self, module: nn.Module) -> list[nn.Module]:
         stages = super().prepare_model(module)
+        broadcast_first_copy(module, self._stage_ties)  # materialised: the copies of a shared weight start equal
         if self.uses_pipeline(self.parallel_dims) and self._pipeline is None:
             self._pipeline = self._build_schedule(stages)
         return stages
@@ -385,8 +389,12 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
             bounds = balance_layers(layer_costs_by_params(module, layers), n_stages)
         pp_rank = mesh["pp"].get_local_rank() if dims.pp > 1 else 0
         indices = stage_indices_for_rank(self.schedule, pp_rank, dims.pp, self.virtual_stages)
-        stages = build_stage_modules(module, layers=layers, boundaries=bounds, stage_indices=indices)
         owner = {path: s for s in range(n_stages) for path in layers[bounds[s]:bounds[s + 1]]}
+        if dims.pp > 1:  # a weight shared by layers on two pipeline ranks: a copy on each, kept equal
+            rank_of_stage = {s: r for r in range(dims.pp)
+                             for s in stage_indices_for_rank(self.schedule, r, dims.pp, self.virtual_stages)}
+            self._stage_ties = plan_stage_ties(tied_parameters(module), layers, lambda p: rank_of_stage[owner[p]], mesh)
+        stages = build_stage_modules(module, layers=layers, boundaries=bounds, stage_indices=indices)
         drop_remote_layers(module, layers, {path for stage in stages for path in stage.layers}, owner)
         log.info("%s: layers cut at %s; pipeline rank %d holds stages %s", type(self).__name__, bounds, pp_rank,
                  indices)

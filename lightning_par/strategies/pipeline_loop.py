@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_par.parallel.contract import loss_fn_of
 from lightning_par.parallel.expert_parallel import average_replicated_gradients
 from lightning_par.parallel.gradients import average_gradients, clip_grad_norm_
+from lightning_par.parallel.pipeline_ties import norm_excluded, sum_tied_gradients
 from lightning_par.parallel.pipeline import Pipeline
 from lightning_par.parallel.tensor_parallel import loss_parallel_context
 
@@ -112,6 +113,7 @@ class PipelineLoopMixin:
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
             self._pending_grads = []
+            sum_tied_gradients(module, self._stage_ties)  # a shared weight's copies: the sum of both uses
         else:
             with loss_parallel_context(self.loss_parallel):
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
@@ -134,7 +136,8 @@ class PipelineLoopMixin:
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_group=pp_group)
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_group=pp_group,
+                            norm_excluded=norm_excluded(self.lightning_module, self._stage_ties))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
