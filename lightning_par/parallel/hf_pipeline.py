@@ -34,10 +34,11 @@ would not have; one without ``inputs_embeds``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -216,6 +217,27 @@ def _meta_model(hf: nn.Module) -> nn.Module:
         return type(hf)._from_config(copy.deepcopy(hf.config))
 
 
+@contextlib.contextmanager
+def _shape_only_experts(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s routed-expert modules return zeros shaped like their input: routing
+    reads values (which experts got tokens) that meta tensors lack, and the check is about the calls
+    and what crosses a cut, which the experts do not change."""
+    from lightning_par.parallel.hf_plan import hf_experts
+
+    mods = [model.get_submodule(p) for p in hf_experts(model)[0]]
+    saved = [m.__dict__.get("forward") for m in mods]
+    for m in mods:
+        m.forward = lambda hidden_states, *args, **kwargs: torch.zeros_like(hidden_states)
+    try:
+        yield
+    finally:
+        for m, f in zip(mods, saved):
+            if f is None:
+                del m.forward
+            else:
+                m.forward = f
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
@@ -252,6 +274,11 @@ def check_hf_pipeline(model: nn.Module, layers: Sequence[str], seq_len: int = 8)
             meta.get_submodule(r)
         except AttributeError:
             raise ValueError(f"pipeline: {name} has no module {r!r}, which its pipeline plan names") from None
+    with _shape_only_experts(meta):
+        _check_on_meta(meta, name, rel, seq_len)
+
+
+def _check_on_meta(meta: nn.Module, name: str, rel: list[str], seq_len: int) -> None:
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device="meta").tril()[None, None]
     calls: list[int] = []
