@@ -1,13 +1,15 @@
 """Strategy advisor: which strategy for this model on this cluster, and the command that runs it.
 
 Every candidate is priced by the cost model (``lightning_par.estimate``: per-rank *peak* of a step,
-activations and transients included) and by the communication model (``lightning_par.comm_model``:
+activations and transients included) and by the communication model (``lightning_par.costs.comm``:
 payload bytes per step and rank, by collective and mesh axis; time = bytes x bus factor / link
 bandwidth, the within-node bandwidth for axes inside a node and the between-node one for axes that
 span nodes). A plan "fits" when its predicted peak is within ``headroom`` of device memory; the
 advisor never recommends one that does not (it says so and exits non-zero instead).
 
-The decision tree (the field's standard notes):
+The candidates are the strategy catalogue's (``strategies/catalog.py``): each entry says which plans
+it offers on a cluster (``StrategyEntry.advise``) and in which order they are tried
+(``preference``). The decision tree (the field's standard notes):
 
 1. the whole step fits one device -> ``single`` (one device) or ``ddp``; on one device the next try
    is 8-bit optimizer states (``model.optimizer=adamw8bit``, torchao's AdamW8bit: 2 bytes of state
@@ -33,14 +35,12 @@ tp rank), so fsdp_tp / 3d are not offered for it.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, field
-from typing import Any
 
-from lightning_par import comm_model
+from lightning_par.costs import comm as comm_model
 from lightning_par.costs.activations import Shape, dtypes
 from lightning_par.estimate import GIB, MemoryEstimate, bytes_per_param, estimate, layout
+from lightning_par.strategies.catalog import CATALOG, Fleet
 
 TILES = (2, 4, 8, 16, 32, 64)
 
@@ -153,7 +153,7 @@ def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, mic
         comm = comm_model.step_comm_bytes(strategy, n_params=u["total"], mesh=mesh, dtype_bytes=dtype, shape=cshape,
                                           micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule,
                                           expert_params=experts,
-                                          data_parallel=lay.get("data_parallel", "replicate"),
+                                          data_parallel=lo.data_parallel,
                                           activation_bytes=dtypes(kw["precision"])[0],  # the experts' compute dtype
                                           recompute=bool(kw["checkpointing"]))
     except ValueError:
@@ -173,22 +173,15 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
     ckpt = ["strategy.activation_checkpointing=true"] if checkpointing else []
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     dpn, nodes, n = cluster.devices_per_node, cluster.nodes, cluster.devices
-    c = lambda s, o=(), **lay: _candidate(s, shape, cluster, budget, micro_batch_size, kw, [*o, *ckpt], **lay)  # noqa: E731
-    order = [c("single")] if n == 1 else [c("ddp"), c("zero1"), c("zero2"), c("fsdp")]
-    if n == 1 and optimizer in ("adamw", "adam"):  # fit before distributing: 8-bit states, then offload
-        kw8 = {**kw, "optimizer": "adamw8bit"}
-        order += [_candidate("single", shape, cluster, budget, micro_batch_size, kw8,
-                             ["model.optimizer=adamw8bit", *ckpt])]
-    if n > 1 and nodes > 1:
-        order += [c("hsdp", [f"strategy.replicate={nodes}"], replicate=nodes)]
+    fleet = Fleet(n, dpn, nodes, shape.n_experts if shape.n_moe_layers else 0, optimizer)
+    order = []
+    for e in sorted((e for e in CATALOG if e.advise), key=lambda e: e.preference):
+        for o in e.advise(fleet):
+            okw = {**kw, "optimizer": o.optimizer} if o.optimizer else kw
+            order.append(_candidate(e.name, shape, cluster, budget, micro_batch_size, okw, [*o.overrides, *ckpt],
+                                    **o.layout))
     moe = shape.n_moe_layers > 0
-    if n > 1 and moe:  # expert parallelism within a node, the rest data parallel (replicated or FSDP)
-        order += _expert_parallel_candidates(c, shape, cluster)
-    if n > 1 and dpn > 1 and not moe:  # TP of an MoE model is not priced: its MoE layers run whole on every tp rank
-        order += [c("fsdp_tp", [f"strategy.tp={dpn}"], tp=dpn)]
-        if nodes > 1:
-            order += [c("3d", [f"strategy.tp={dpn}", f"strategy.pp={nodes}"], tp=dpn, pp=nodes)]
-    order += [c("zero3_offload")]
+    c = lambda s, o=(), **lay: _candidate(s, shape, cluster, budget, micro_batch_size, kw, [*o, *ckpt], **lay)  # noqa: E731
     cands = [x for x in order if x is not None]
     reasons: list[str] = []
     whole = c("single")
@@ -232,21 +225,6 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
                   model_overrides(shape, preset, best.global_batch), precision)
 
 
-def _expert_parallel_candidates(c: Any, shape: Shape, cluster: Cluster) -> list[Candidate | None]:
-    """expert_parallel with ep = the largest divisor of the expert count that fits in a node (its
-    all-to-all stays on the fast links), the rest of the model replicated or FSDP-sharded."""
-    n, dpn = cluster.devices, cluster.devices_per_node
-    ep = max(k for k in range(1, min(dpn, shape.n_experts) + 1) if shape.n_experts % k == 0 and n % k == 0)
-    if ep == 1:
-        return []
-    out = [c("expert_parallel", [f"strategy.ep={ep}", "strategy.data_parallel=replicate"], ep=ep,
-             data_parallel="replicate")]
-    if n > ep:
-        out.append(c("expert_parallel", [f"strategy.ep={ep}", "strategy.data_parallel=fsdp"], ep=ep,
-                     data_parallel="fsdp"))
-    return out
-
-
 def _moe_reason(best: Candidate, fitting: list[Candidate], cands: list[Candidate]) -> str:
     """Why this plan for an MoE model: expert parallelism trades the experts' gradient all-reduce
     (replication) or their all-gathers (FSDP) for an all-to-all of the routed tokens."""
@@ -286,66 +264,3 @@ def _tiled_offload(shape: Shape, cluster: Cluster, budget: float, micro: int, kw
         reasons.append("the embedding table alone exceeds a device and cannot be tiled: tensor parallelism "
                        "(vocabulary-parallel embedding) within a node is needed")
     return None
-
-
-def shape_from_args(args: argparse.Namespace) -> tuple[Shape, str | None]:
-    from lightning_par.estimate import model_shape
-
-    if args.model:
-        return model_shape(args.model, args.seq_len)[1], args.model
-    if not (args.layers and args.hidden):
-        raise ValueError("--params needs --layers and --hidden")
-    heads = args.heads or max(1, args.hidden // 128)
-    shape = Shape(args.layers, args.hidden, heads, args.vocab, args.seq_len or 2048, args.mlp_ratio,
-                  bias=False, block_size=args.seq_len or 2048)
-    got = shape.units()["total"]
-    if abs(got - args.params) > 0.1 * args.params:
-        raise ValueError(f"--layers {args.layers} --hidden {args.hidden} --vocab {args.vocab} build {got:,} "
-                         f"parameters, not about {args.params:,.0f}")
-    return shape, None
-
-
-def main(argv: list[str] | None = None) -> Advice:
-    ap = argparse.ArgumentParser(prog="python -m lightning_par.advisor", description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a GPT preset name (see conf/model)")
-    src.add_argument("--params", type=float, help="parameter count (with --layers and --hidden)")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--hidden", type=int)
-    ap.add_argument("--heads", type=int, default=None, help="default: hidden / 128")
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--mlp-ratio", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size, else 2048")
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--devices-per-node", type=int, default=8)
-    ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device")
-    ap.add_argument("--intra-node-gbs", type=float, default=300.0, help="GB/s per device within a node")
-    ap.add_argument("--inter-node-gbs", type=float, default=25.0, help="GB/s per device between nodes")
-    ap.add_argument("--precision", default="bf16-mixed")
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--no-checkpointing", action="store_true", help="assume no activation checkpointing")
-    args = ap.parse_args(argv)
-    try:
-        shape, preset = shape_from_args(args)
-        cluster = Cluster(args.nodes, args.devices_per_node, args.device_memory, args.intra_node_gbs,
-                          args.inter_node_gbs)
-        advice = advise(shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
-                        checkpointing=not args.no_checkpointing, preset=preset)
-    except ValueError as exc:
-        ap.error(str(exc))
-    budget = cluster.device_memory_gb * GIB * 0.9
-    print(f"Recommended: {advice.strategy or 'nothing fits'}")
-    for r in advice.reasons:
-        print(f"  - {r}")
-    print()
-    print(advice.table(budget))
-    print()
-    if advice.strategy is None:
-        sys.exit(2)
-    print("Run it with:")
-    print("  " + advice.command())
-    return advice
-
-
-if __name__ == "__main__":
-    main()

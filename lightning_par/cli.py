@@ -254,12 +254,12 @@ _state = {"job_started": False}
 
 def _run(cfg: DictConfig) -> float | None:
     if cfg.mode == "estimate":
-        from lightning_par.estimate import run_estimate
+        from lightning_par.modes.estimate import run_estimate
 
         run_estimate(cfg)
         return None
     if cfg.mode == "find_batch_size":
-        from lightning_par.batch_size import find_batch_size
+        from lightning_par.modes.batch_size import find_batch_size
 
         find_batch_size(cfg)
         return None

@@ -6,7 +6,7 @@
 Spawns ``--ranks`` processes itself (one node), runs all-reduce, all-gather, reduce-scatter,
 all-to-all and broadcast on fp32 buffers of each size, and reports for every (op, size) the mean
 time of one call (the slowest rank's mean over ``--iters`` calls after ``--warmup``), with
-nccl-tests' definitions (``S`` = size in bytes, the full logical buffer as in ``comm_model.py``:
+nccl-tests' definitions (``S`` = size in bytes, the full logical buffer as in ``costs/comm.py``:
 all-reduce buffer, all-gather output, reduce-scatter input, all-to-all buffer, broadcast buffer):
 
     algbw = S / t          busbw = algbw * factor,  factor: all-reduce 2(n-1)/n,
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_par.comm_model import bus_factor
+from lightning_par.costs.comm import bus_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 # torch 2.13 renamed the tensor forms of all-gather / reduce-scatter (the old names warn)

@@ -13,53 +13,33 @@ in flight, TP/SP sharding) and the transient buffers (ZeRO-2's full gradients, F
 units with prefetch, the optimizer step's temporaries). ``peak`` (also ``total``) is what a device
 must hold; ``states`` is the paper's figure.
 
-Every strategy declares what it shards in ``SHARDING`` below (a strategy config without an entry
-fails ``tests/test_estimate.py``).
+What each strategy shards comes from the strategy catalogue (``strategies/catalog.py``:
+``StrategyEntry.sharding`` and ``cost_layout``). ``mode=estimate`` and this model's command line
+live in ``lightning_par/modes/estimate.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_par.costs.activations import Shape
 from lightning_par.costs.peak import Layout, step_peak
 from lightning_par.costs.states import OPTIMIZERS, PRECISIONS, bytes_per_param, check, optimizer_state_bytes
-from lightning_par.dtypes import canonical_precision, dtype_bytes, parse_dtype
+from lightning_par.strategies.catalog import CATALOG, entry
 
 __all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "SHARDING", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
-           "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes",
-           "run_estimate"]
+           "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes"]
 
 GIB = 2**30
-#: the data-parallel family, the rows of the default table
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
-#: what each strategy (its config group name) shards and how it holds gradients (costs/peak.py):
-#: (params sharded, optimizer state sharded, gradient mode, offload); mesh strategies take tp/pp
-SHARDING: dict[str, tuple[bool, bool, str, bool] | None] = {
-    "single": (False, False, "accumulate", False),
-    "ddp": (False, False, "bucket", False),
-    "zero1": (False, True, "bucket", False),
-    "zero2": (False, True, "zero2", False),
-    "zero3": (True, True, "fsdp", False),
-    "zero3_offload": (True, True, "fsdp", True),
-    "fsdp": (True, True, "fsdp", False),
-    "hsdp": (True, True, "fsdp", False),
-    "tensor_parallel": (False, False, "accumulate", False),
-    "pipeline": (False, False, "accumulate", False),
-    "fsdp_tp": (True, True, "fsdp", False),
-    "3d": (True, True, "fsdp", False),  # data_parallel=replicate: accumulate (see ``layout``)
-    # MoE models: experts over ep; data_parallel=replicate: the rest replicated (see ``layout``)
-    "expert_parallel": (True, True, "fsdp", False),
-}
-#: strategy class -> config group name (what ``mode=estimate`` reads from the built strategy)
-_BY_CLASS = {"SingleDeviceStrategy": "single", "DDPStrategy": "ddp", "Zero1Strategy": "zero1",
-             "Zero2Strategy": "zero2", "Zero3Strategy": "zero3", "Zero3OffloadStrategy": "zero3_offload",
-             "FSDPStrategy": "fsdp", "TensorParallelStrategy": "tensor_parallel", "PipelineStrategy": "pipeline",
-             "FSDPTPStrategy": "fsdp_tp", "Parallel3DStrategy": "3d", "ExpertParallelStrategy": "expert_parallel"}
+#: the data-parallel family, the rows of the default table (the catalogue's ``family`` entries)
+STRATEGIES = tuple(e.name for e in CATALOG if e.family)
+#: what each strategy (its config group name) shards and how it holds gradients (costs/peak.py),
+#: from the catalogue: (params sharded, optimizer state sharded, gradient mode, offload) with
+#: ``data_parallel`` at its default
+SHARDING: dict[str, tuple[bool, bool, str, bool]] = {
+    e.name: (lambda sh: (sh.params, sh.optimizer, sh.grads, sh.cpu_offload))(e.sharding_for(e.defaults().get(
+        "data_parallel"))) for e in CATALOG}
 
 
 @dataclass(frozen=True)
@@ -91,51 +71,12 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total, "states": self.states}
 
 
-def layout(strategy: str, devices: int, *, tp: int | None = None, pp: int | None = None, replicate: int = 1,
-           data_parallel: str = "fsdp", ep: int | None = None, **options: Any) -> Layout:
-    """The ``Layout`` of a strategy on ``devices`` ranks. ``tp``/``pp`` as the mesh strategies take them
-    (None: the defaults of their configs); ``ep``: expert_parallel's degree (None: every rank);
-    ``options``: further ``Layout`` fields."""
-    if strategy == "expert_parallel":
-        return _expert_parallel_layout(devices, ep or devices, data_parallel, **options)
-    if ep is not None and ep > 1:
-        raise ValueError(f"the estimator prices expert parallelism with strategy=expert_parallel only, not ep={ep} "
-                         f"with {strategy}")
-    check(strategy, tuple(SHARDING), "strategy")
-    declared = SHARDING[strategy]
-    if declared is None:
-        raise ValueError(f"the estimator has no model for strategy {strategy} (MoE); estimate a dense model")
-    params_sharded, opt_sharded, grads, offload = declared
-    n = 1 if strategy == "single" else devices
-    tp = tp if tp is not None else {"tensor_parallel": n, "fsdp_tp": 2, "3d": 2}.get(strategy, 1)
-    pp = pp if pp is not None else {"pipeline": n, "3d": 2}.get(strategy, 1)
-    if n % (tp * pp):
-        raise ValueError(f"{strategy}: tp={tp} x pp={pp} does not divide the world size {n}")
-    dp = n // (tp * pp)
-    if strategy == "3d" and data_parallel == "replicate":
-        params_sharded, opt_sharded, grads = False, False, "accumulate"
-    shard = dp // replicate if grads in ("fsdp", "zero2") or opt_sharded else 1
-    mesh = {k: v for k, v in (("pp", pp), ("dp_replicate", dp // max(1, shard)), ("dp_shard", shard), ("tp", tp))
-            if v > 1} or {"dp_shard": 1}
-    return Layout(strategy=strategy, shard=max(1, shard), params_sharded=params_sharded, opt_sharded=opt_sharded,
-                  grads=grads, offload=offload or bool(options.pop("cpu_offload", False)), tp=tp, pp=pp,
-                  mesh=mesh, **options)
-
-
-def _expert_parallel_layout(devices: int, ep: int, data_parallel: str, **options: Any) -> Layout:
-    """``strategy=expert_parallel``: the routed experts split over ``ep`` ranks; the rest replicated
-    (``replicate``: gradients all-reduced after backward) or, with ``fsdp``, the non-expert
-    parameters sharded over the whole world and the experts' own shards over dp = world / ep (none
-    when ep is the whole world: the experts stay ep shards outside FSDP; strategies/expert_parallel.py)."""
-    if ep < 1 or devices % ep:
-        raise ValueError(f"expert_parallel: ep={ep} does not divide the world size {devices}")
-    dp = devices // ep
-    if data_parallel == "fsdp":  # with ep = world (dp = 1) the experts stay ep shards outside FSDP
-        return Layout(strategy="expert_parallel", shard=devices, params_sharded=True, opt_sharded=True, grads="fsdp",
-                      ep=ep, expert_shard=dp, mesh={k: v for k, v in (("dp_shard", dp), ("ep", ep)) if v > 1},
-                      **options)
-    return Layout(strategy="expert_parallel", grads="accumulate", ep=ep,
-                  mesh={k: v for k, v in (("dp_replicate", dp), ("ep", ep)) if v > 1}, **options)
+def layout(strategy: str, devices: int, **options: Any) -> Layout:
+    """The ``Layout`` of a strategy (its config name) on ``devices`` ranks: the catalogue entry's
+    ``cost_layout`` (``tp``/``pp``/``replicate``/``data_parallel``/``ep`` as its constructor takes
+    them, None: its defaults; further ``Layout`` fields)."""
+    check(strategy, tuple(e.name for e in CATALOG), "strategy")
+    return entry(strategy).cost_layout(devices, **options)
 
 
 def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-mixed", optimizer: str = "adamw",
@@ -167,7 +108,7 @@ def _states_only(psi: int, lay: Layout, precision: str, optimizer: str, device: 
     params = p * (shard if lay.params_sharded else local)
     grads = g * (shard if lay.grads in ("zero2", "fsdp") else local)
     opt = optimizer_state_bytes(shard if lay.opt_sharded else local, optimizer, precision)
-    if lay.offload:
+    if lay.cpu_offload:
         return MemoryEstimate(lay.strategy, 0, 0, 0, int(params + grads + opt), 0, 0, 0, "states only",
                               dict(lay.mesh))
     temp = 2 * g * local if lay.grads == "zero2" else (opt / 2 if device == "cpu" and "adam" in optimizer else 0)
@@ -250,121 +191,3 @@ def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
     module = GPTModule(preset=name) if name in PRESETS else MoEModule(preset=name)
     shape = Shape.of(module.config, seq_len)
     return shape.units()["total"], shape
-
-
-def run_estimate(cfg: Any) -> str:
-    """``python run.py mode=estimate ...``: the table for the run's config, and ``estimate.json``.
-
-    Rows: the data-parallel family at N ranks and, when the configured strategy is another, that
-    strategy with its own mesh (``dims_for``). N, the per-rank micro-batch and the mesh come from
-    ``lightning_par.facts`` (as training computes them); the model's shape from the module the model
-    config builds. Optional keys: ``+estimate.device_memory=80`` (a fits column, in ``unit``),
-    ``+estimate.unit=GB``, ``+estimate.params=7.5e9`` (a bare count instead of the model),
-    ``+estimate.device=cpu`` (default: cuda unless ``trainer.accelerator=cpu``).
-    Writes ``<run dir>/estimate.json`` (bytes). Raises ``ConfigError`` (one line) for bad input.
-    """
-    from lightning_par import ConfigError
-    from lightning_par import facts
-
-    opts = cfg.get("estimate") or {}
-    try:
-        n = facts.world_size(cfg)
-        precision = str(cfg.trainer.get("precision", "32-true"))
-        precision = canonical_precision(precision)  # Lightning's short forms: bf16 -> bf16-mixed
-        optimizer = str(cfg.model.get("optimizer", "adamw"))
-        device = str(opts.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda"))
-        strategy, tiling = facts.strategy_of(cfg.strategy)
-        name = _BY_CLASS.get(type(strategy).__name__)
-        if name is None:
-            raise ValueError(f"the estimator has no model for strategy {type(strategy).__name__}")
-        dims = facts.mesh_of(strategy, n)
-        gbs = int(cfg.data.get("global_batch_size", n))
-        micro = facts.micro_batch_size(gbs, dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1)))
-        checkpointing = bool(getattr(strategy, "activation_checkpointing", False))
-        params = opts.get("params")
-        shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
-        model: Any = int(float(params)) if params is not None else (shape or _count_params(cfg.model))
-        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
-        kw = dict(devices=n, precision=precision, optimizer=optimizer, checkpointing=checkpointing, device=device)
-        rows, notes = [], []
-        family = [s for s in STRATEGIES if s != name] if n > 1 else []
-        for row in family:  # the data-parallel family: dp = N (single: one device)
-            dp = 1 if row == "single" else n
-            row_micro = max(1, gbs // (dp * accumulate))
-            if gbs % (dp * accumulate):
-                notes = [f"note: data.global_batch_size={gbs} does not split over {dp} ranks x {accumulate}; the "
-                         f"data-parallel rows assume a micro-batch of {row_micro}"]
-            rows.append(replace(estimate(model, strategy=row, micro_batch_size=row_micro, **kw),
-                                micro_batch_size=row_micro))
-        rows.append(replace(estimate(model, strategy=name, micro_batch_size=micro,
-                                     layout_=strategy_layout(name, strategy, dims, tiling), **kw), micro_batch_size=micro))
-        rows.sort(key=lambda r: list(SHARDING).index(r.strategy))
-        table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
-                                                   unit=str(opts.get("unit", "GiB")), micro_batch_size=micro, **kw)])
-    except (ValueError, KeyError) as e:
-        raise ConfigError(str(e).strip("'\"")) from None
-    out_dir = str(cfg.paths.output_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    record = {"world_size": n, "strategy": name, "mesh": dims.sizes(), "precision": precision,
-              "optimizer": optimizer, "micro_batch_size": micro, "checkpointing": checkpointing, "device": device, "seq_len": shape.seq_len if shape else None,
-              "n_params": model if isinstance(model, int) else model.units()["total"],
-              "strategies": [r.as_dict() for r in rows]}
-    with open(os.path.join(out_dir, "estimate.json"), "w") as f:
-        json.dump(record, f, indent=2)
-    print(table)
-    return table
-
-
-def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
-    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...)."""
-    base = layout(name, dims.world_size, tp=dims.tp, pp=dims.pp, replicate=dims.dp_replicate if
-                  SHARDING[name] and SHARDING[name][2] == "fsdp" and name != "expert_parallel" else 1,
-                  data_parallel=getattr(strategy, "data_parallel", "fsdp"), ep=dims.ep)
-    pd = getattr(strategy, "param_dtype", None)  # FSDP mixed precision: bf16 gathers move 2 bytes per parameter
-    n_micro = getattr(strategy, "_n_microbatches", None)
-    return replace(base, offload=base.offload or bool(getattr(strategy, "cpu_offload", False)),
-                   prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
-                   gather_bytes=dtype_bytes(parse_dtype(pd, "param_dtype")) if pd else None,
-                   schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,
-                   virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
-                   sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
-                   loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
-                   mesh=dims.sizes())
-
-
-def _count_params(model_cfg: Any) -> int:
-    import torch
-    from hydra.utils import instantiate
-
-    module = instantiate(model_cfg)
-    with torch.device("meta"):
-        module.configure_model()
-    return sum(p.numel() for p in module.parameters())
-
-
-def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(prog="python -m lightning_par.estimate", description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a GPT preset name (lightning_par.models.gpt.PRESETS)")
-    src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (no activations)")
-    ap.add_argument("--devices", type=int, default=1, help="data-parallel size N")
-    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
-    ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size")
-    ap.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="which kernels run")
-    ap.add_argument("--device-memory", type=float, default=None, help="device memory, in --unit")
-    ap.add_argument("--unit", default="GiB", choices=("GiB", "GB"))
-    args = ap.parse_args(argv)
-    try:
-        model, shape = model_shape(args.model, args.seq_len) if args.model else (args.params, None)
-        return estimate_table(model, devices=args.devices, precision=args.precision, optimizer=args.optimizer,
-                              shape=shape, micro_batch_size=args.micro_batch_size, checkpointing=args.checkpointing,
-                              device_memory=args.device_memory, unit=args.unit, echo=True, device=args.device)
-    except ValueError as exc:
-        ap.error(str(exc))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
 """The advisor: plans whose predicted peak fits, the communication column, and printed commands that
-run. The five cases of issue 11 are asked of ``python -m lightning_par.advisor`` itself; each printed
+run. The five cases of issue 11 are asked of ``python -m lightning_par.modes.advise`` itself; each printed
 command is then run on CPU scaled down by substituting sizes in it (devices, model dimensions,
 sequence, batch, tile counts; ``trainer.max_steps`` added) -- every other word is the printed one."""
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.advisor import Cluster, advise, main
+from lightning_par.advisor import Cluster, advise
+from lightning_par.modes.advise import main
 from lightning_par.costs.activations import Shape
 from lightning_par.estimate import GIB, model_shape
 
@@ -40,7 +41,7 @@ CASES = {
 
 
 def advisor(args: list[str]) -> str:
-    """What ``python -m lightning_par.advisor ARGS`` prints (its ``main``, in this process: one torch import)."""
+    """What ``python -m lightning_par.modes.advise ARGS`` prints (its ``main``, in this process: one torch import)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         main(args)
@@ -77,7 +78,7 @@ def test_answer_fits_and_shows_communication(case, answers):
 
 def test_never_recommends_a_plan_that_does_not_fit():
     # 7B on one 8 GiB device, 16 x 2048 tokens without checkpointing: even offloaded, activations do not fit
-    done = subprocess.run([sys.executable, "-m", "lightning_par.advisor", "--model", "gpt_7b", "--devices-per-node",
+    done = subprocess.run([sys.executable, "-m", "lightning_par.modes.advise", "--model", "gpt_7b", "--devices-per-node",
                            "1", "--device-memory", "8", "--micro-batch-size", "16", "--no-checkpointing"],
                           capture_output=True, text=True, timeout=120)  # the real CLI: its exit code
     assert done.returncode == 2 and "nothing fits" in done.stdout and "python run.py" not in done.stdout

@@ -1,4 +1,4 @@
-"""``mode=find_batch_size`` (lightning_par/batch_size.py).
+"""``mode=find_batch_size`` (lightning_par/modes/batch_size.py).
 
 The search itself on a known threshold (how many tries, the answer), the accumulation that keeps the
 global batch, and one real search under zero3 at 2 CPU ranks against a memory cap: the cap is put
@@ -14,7 +14,7 @@ import json
 import pytest
 
 from lightning_par import ConfigError
-from lightning_par.batch_size import GiB, accumulation_for, run_try, search
+from lightning_par.modes.batch_size import GiB, accumulation_for, run_try, search
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.timeout(900)  # one search: a handful of 2-rank training jobs in a row

@@ -20,7 +20,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_par.comm_model import CommShape, step_comm_bytes
+from lightning_par.costs.comm import CommShape, step_comm_bytes
 from lightning_par.models.gpt import PRESETS, GPTConfig
 from tests.helpers import ROOT
 from tests.sweeps import by_strategy, four_ranks, long_parity, sweep, two_ranks_accumulating
@@ -170,7 +170,7 @@ def test_sweep_report_shows_comm(tmp_path):
 
 
 def test_comm_model_layouts_and_refusals():
-    from lightning_par.comm_model import bus_factor, predicted_seconds, total_bytes
+    from lightning_par.costs.comm import bus_factor, predicted_seconds, total_bytes
 
     shape = CommShape(layers=4, hidden=8, seq=4, micro_batch=2, vocab=16)
     a = shape.activation_bytes(4)

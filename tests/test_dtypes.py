@@ -122,7 +122,7 @@ def _estimate(tmp_path: Path, *overrides: str) -> dict:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from lightning_par.estimate import run_estimate
+    from lightning_par.modes.estimate import run_estimate
 
     GlobalHydra.instance().clear()
     with initialize_config_module("lightning_par.conf", version_base="1.3"):

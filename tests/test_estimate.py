@@ -10,22 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from lightning_par.costs.activations import Shape, in_flight_micro_batches
 from lightning_par.costs.states import optimizer_state_bytes
 from lightning_par.estimate import (
-    _BY_CLASS,
-    SHARDING,
     STRATEGIES,
     bytes_per_param,
     estimate,
     estimate_all,
     estimate_table,
-    main,
     model_shape,
 )
 from lightning_par.models.gpt import GPTConfig
+from lightning_par.modes.estimate import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,16 +98,6 @@ def test_pipeline_in_flight_and_tp_sharding() -> None:
     assert tp8.mesh == {"tp": 8} and tp8.activations < tp2.activations and tp8.params < tp2.params
 
 
-def test_every_strategy_config_is_declared() -> None:
-    """A new strategy config cannot be silently missing from the estimator's table."""
-    names = sorted(p.stem for p in (ROOT / "lightning_par/conf/strategy").glob("*.yaml"))
-    assert set(names) <= set(SHARDING), set(names) - set(SHARDING)
-    for name in names:
-        target = yaml.safe_load((ROOT / f"lightning_par/conf/strategy/{name}.yaml").read_text()).get("_target_")
-        if target:  # hsdp inherits fsdp's
-            assert target.rsplit(".", 1)[-1] in _BY_CLASS, target
-
-
 def test_shape_comes_from_the_module() -> None:
     n, shape = model_shape("gpt2")
     from lightning_par.models.module import GPTModule
@@ -154,7 +141,7 @@ def test_cli(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--model", "no_such_model", "--devices", "2"])
     assert "choose one of gpt_tiny" in capsys.readouterr().err
-    done = subprocess.run([sys.executable, "-m", "lightning_par.estimate", "--params", "1e9", "--devices", "8"],
+    done = subprocess.run([sys.executable, "-m", "lightning_par.modes.estimate", "--params", "1e9", "--devices", "8"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "zero2" in done.stdout
 

@@ -116,7 +116,7 @@ def test_estimate_mode_prices_expert_parallel(tmp_path):
 
 # ------------------------------------------------ against real runs (test_moe.py's shared multiruns)
 def _comm_and_states(s: dict, ep: int, data_parallel: str) -> None:
-    from lightning_par.comm_model import CommShape, step_comm_bytes
+    from lightning_par.costs.comm import CommShape, step_comm_bytes
 
     cfg = MoEConfig(**PRESETS["moe_tiny"])
     world = s["world_size"]

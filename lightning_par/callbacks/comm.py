@@ -9,7 +9,7 @@ broadcasts and collectives, pipelining's send/recv) and ``_c10d_functional.*`` o
 mechanism of ``torch.distributed.tensor.debug.CommDebugMode``; it is not used directly because
 it keeps only call counts (no payload bytes, no process group) and ignores send/recv.
 
-Payload is the full logical tensor of each collective (``comm_model.py``'s definition); every
+Payload is the full logical tensor of each collective (``costs/comm.py``'s definition); every
 call's process group is mapped to the mesh axis with the same ranks (``world`` if none). RunGuard
 runs after this callback (``train.with_guard`` puts it last), so its flag all-reduce falls outside
 the measured window; calls inside it made from lightning_par's callbacks or Lightning's logging are
@@ -224,5 +224,5 @@ def _combine(ranks: list[dict[str, Any]], steps: list[int]) -> dict[str, Any]:
         for axis, nbytes in axes.items():
             by_axis[axis] = by_axis.get(axis, 0) + nbytes
     return {"bytes_per_step": top, "by_axis": by_axis, "total_bytes_per_step": sum(by_axis.values()),
-            "steps_measured": steps, "per_rank": per_rank, "payload": "full logical tensor (comm_model.py)",
+            "steps_measured": steps, "per_rank": per_rank, "payload": "full logical tensor (costs/comm.py)",
             "method": METHOD}

@@ -110,6 +110,8 @@ class Shape:
 
 @lru_cache(maxsize=64)
 def _unit_params(shape: Shape) -> tuple[tuple[str, int], ...]:
+    import fnmatch
+
     import torch
     from torch import nn
 
@@ -128,6 +130,21 @@ def _unit_params(shape: Shape) -> tuple[tuple[str, int], ...]:
              "block_matmul": sum(m.weight.numel() for m in linears),
              "block_linear": max(m.weight.numel() for m in linears)}
     units["total"] = units["embed"] + config.n_layer * units["block"] + units["head"]
+    # what tensor parallelism splits, by the model's own plan (colwise / vocabulary splits: weight and
+    # bias; rowwise: the weight, its bias replicated), and tensor counts (ZeRO-2's per-tensor flags)
+    plan = net.parallel_plan().tp_plan
+    for part, module in (("embed", net.embed), ("block", block), ("head", net.head)):
+        prefix = "blocks.0" if part == "block" else part
+        split = 0
+        for name, m in module.named_modules():
+            full = f"{prefix}.{name}" if name else prefix
+            style = next((v for k, v in plan.items() if fnmatch.fnmatchcase(full, k.replace("*", "[0-9]*"))), None)
+            if style in ("colwise", "embedding", "output"):
+                split += sum(p.numel() for p in m.parameters(recurse=False))
+            elif style == "rowwise":
+                split += m.weight.numel()
+        units[f"{part}_tp_split"] = split
+        units[f"{part}_tensors"] = len(list(module.parameters()))
     if shape.n_experts:
         from lightning_par.models.moe import MoE, MoEBlock
 

@@ -21,39 +21,12 @@ the gathered units, one unit's gradient and the activations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lightning_par.costs import activations as act
 from lightning_par.costs.states import bytes_per_param, optimizer_state_bytes
-
-#: how a strategy holds gradients during backward (see the module docstring)
-GRAD_MODES = ("accumulate", "bucket", "zero2", "fsdp")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one rank holds: the strategy's declared sharding and its mesh."""
-
-    strategy: str
-    shard: int = 1  # ranks the sharded states are split over
-    params_sharded: bool = False
-    opt_sharded: bool = False
-    grads: str = "accumulate"
-    offload: bool = False
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1  # expert parallelism: each rank holds 1/ep of every MoE layer's routed experts
-    expert_shard: int | None = None  # ranks the experts' own states are sharded over (None: ``shard``)
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    schedule: str = "1f1b"
-    n_microbatches: int | None = None
-    virtual_stages: int = 1
-    prefetch: int = 1
-    gather_bytes: float | None = None  # bytes per gathered parameter element (None: the params' own)
-    tiling: dict[str, int] = field(default_factory=dict)
-    mesh: dict[str, int] = field(default_factory=dict)
-
+# what a rank holds is declared by the strategy catalogue; this module prices it
+from lightning_par.strategies.catalog import GRAD_MODES, Layout  # noqa: F401 -- re-exported
 
 @dataclass(frozen=True)
 class Peak:
@@ -108,7 +81,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     if lay.grads == "accumulate":
         grads_steady = g * local  # held between backward and the step (freed by zero_grad)
     host = 0
-    if lay.offload:
+    if lay.cpu_offload:
         host, params, opt, grads_steady = int(params + opt + grads_steady), 0, 0, 0
 
     # activations per micro-batch
@@ -140,7 +113,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
         root, unit_max = fsdp_units(u, lay, has_embed, has_head, block_unit, embed, head)
         gathered_root = gb * root
         gathered_unit = gb * unit_max * (1 + lay.prefetch)
-        if shard == 1 and not lay.offload:
+        if shard == 1 and not lay.cpu_offload:
             gathered_root = gathered_unit = 0.0
 
     base = params + opt
@@ -155,7 +128,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
         done += unit_params
     # the optimizer step
     temp = 0.0
-    if lay.offload:
+    if lay.cpu_offload:
         pass  # the step runs on the host
     elif lay.grads == "zero2":
         temp = 2 * g * local  # the full .grads and the flat buffer they are copied into
@@ -223,7 +196,7 @@ def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, fu
 
 
 def _grads_during_backward(lay: Layout, g: float, local: float, psi_shard: int, done: float, unit: float) -> float:
-    if lay.offload:
+    if lay.cpu_offload:
         return g * unit  # one unit's full-size gradient on the device before it moves to the host
     if lay.grads == "bucket":
         return g * local

@@ -13,6 +13,7 @@ would join the first and last pipeline stages).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,16 @@ class GPTConfig:
 
     @property
     def n_params(self) -> int:
-        """Exact parameter count of the model this config builds."""
-        h, v, t, L, r = self.n_embd, self.vocab_size, self.block_size, self.n_layer, self.mlp_ratio
-        b = 1 if self.bias else 0
-        ln = 2 * h if self.bias else h
-        attn = 4 * h * h + 4 * h * b
-        mlp = 2 * r * h * h + (r * h + h) * b
-        return v * h + t * h + L * (2 * ln + attn + mlp) + ln + h * v
+        """Exact parameter count of the model this config builds, counted on the meta device (no
+        memory): the one count, which the estimator's ``Shape.units`` and the comm model's shapes
+        read the same way."""
+        return count_on_meta(lambda: GPT(self))
+
+
+def count_on_meta(build: Callable[[], nn.Module]) -> int:
+    """Parameters of the module ``build`` makes, built on the meta device (shapes only)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
 
 
 # Presets from a CPU-sized toy to the GPT-2 family and a 7B shape (LLaMA-7B's width and depth).

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.models.gpt import GPT, MLP, Block, GPTConfig, gpt_plan
+from lightning_par.models.gpt import GPT, MLP, Block, GPTConfig, count_on_meta, gpt_plan
 from lightning_par.parallel.contract import ParallelPlan
 
 GATINGS = ("softmax", "sigmoid")
@@ -80,10 +80,7 @@ class MoEConfig(GPTConfig):
 
     @property
     def n_params(self) -> int:
-        h, b = self.n_embd, 1 if self.bias else 0
-        mlp = 2 * self.mlp_ratio * h * h + (self.mlp_ratio * h + h) * b
-        moe = h * self.n_experts + (mlp if self.shared_expert else 0)
-        return super().n_params - self.n_moe_layers * mlp + self.n_moe_layers * moe + self.n_expert_params
+        return count_on_meta(lambda: MoEGPT(self))
 
     @property
     def active_params(self) -> int:

@@ -1,8 +1,9 @@
 """lightning_par's strategies in Lightning's ``StrategyRegistry``, and one-line configuration errors
 for scripts that use them from their own ``Trainer``.
 
-Names mirror the config files (``lp_`` + ``conf/strategy/<name>.yaml``); presets that are a class
-with fixed arguments (``hsdp``) register those arguments too.
+Derived from the strategy catalogue (``strategies/catalog.py``): names mirror the config files
+(``lp_`` + ``conf/strategy/<name>.yaml``); presets that are a class with fixed arguments (``hsdp``)
+register those arguments too.
 """
 
 from __future__ import annotations
@@ -14,32 +15,16 @@ from types import TracebackType
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par import ConfigError
-
-
-def _entries() -> dict[str, tuple[type, dict, str]]:
-    from lightning_par import strategies as s
-
-    return {
-        "lp_single": (s.SingleDeviceStrategy, {}, "one device, the reference run"),
-        "lp_ddp": (s.DDPStrategy, {}, "data parallel (DistributedDataParallel)"),
-        "lp_zero1": (s.Zero1Strategy, {}, "ZeRO-1: optimizer state sharded"),
-        "lp_zero2": (s.Zero2Strategy, {}, "ZeRO-2: optimizer state and gradients sharded"),
-        "lp_zero3": (s.Zero3Strategy, {}, "ZeRO-3: FSDP2, everything sharded"),
-        "lp_zero3_offload": (s.Zero3OffloadStrategy, {}, "ZeRO-3 with CPU offload"),
-        "lp_fsdp": (s.FSDPStrategy, {}, "FSDP2 with every knob"),
-        "lp_hsdp": (s.FSDPStrategy, {"replicate": 2}, "hybrid sharding: FSDP within 2 replica groups"),
-        "lp_pipeline": (s.PipelineStrategy, {}, "pipeline parallel over the model's declared layers"),
-        "lp_tensor_parallel": (s.TensorParallelStrategy, {}, "tensor parallel from the model's tp plan"),
-        "lp_fsdp_tp": (s.FSDPTPStrategy, {}, "2-D: tensor parallel x FSDP"),
-        "lp_3d": (s.Parallel3DStrategy, {}, "3-D: pipeline x tensor x data parallel"),
-        "lp_expert_parallel": (s.ExpertParallelStrategy, {}, "MoE experts over an ep axis (all-to-all) x data parallel"),
-    }
+from lightning_par.strategies.catalog import CATALOG
 
 
 def register_strategies() -> None:
-    for name, (cls, kwargs, description) in _entries().items():
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(name, cls, description=f"lightning_par: {description}", **kwargs)
+    """Every catalogue entry (``strategies/catalog.py``) as ``lp_<name>``; a preset registers its
+    fixed arguments (``lp_hsdp``: FSDPStrategy with replicate=2)."""
+    for e in CATALOG:
+        if e.registry_name not in StrategyRegistry:
+            StrategyRegistry.register(e.registry_name, e.strategy_class(), description=f"lightning_par: {e.description}",
+                                      **e.preset)
     _install_config_error_hook()
 
 

@@ -16,11 +16,13 @@ buffer of an all-to-all, the tensor of a send or recv. (What crosses a link is a
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_par.costs.activations import Shape
+from lightning_par.strategies.catalog import entry
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
-DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp")
-MODEL_PARALLEL = ("tensor_parallel", "pipeline", "fsdp_tp", "3d")
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -52,27 +54,32 @@ class CommShape:
     n_experts: int = 0
     top_k: int = 0
 
-    # parameter groups of the GPT, as tensor parallelism splits them (tensor_parallel.py's plan)
+    @property
+    def shape(self) -> Shape:
+        """The model's shape for the estimator (heads do not change parameter counts: one)."""
+        return Shape(self.layers, self.hidden, 1, self.vocab, self.seq, self.mlp_ratio, bias=self.bias,
+                     block_size=self.max_positions or self.seq)
+
+    # parameter groups of the GPT, counted from the model built on the meta device (``Shape.units``:
+    # the one parameter count) and split as its declared tensor-parallel plan splits them
     def tp_params(self, tp: int) -> int:
         """Parameters one tensor-parallel rank holds: split matrices / tp, replicated rest in full."""
-        h, r, b = self.hidden, self.mlp_ratio, int(self.bias)
-        t = self.max_positions or self.seq
-        split = self.layers * (4 * h * h + 2 * r * h * h + 3 * h * b + r * h * b) + 2 * self.vocab * h
-        replicated = self.layers * (2 * h * (1 + b) + h * b + h * b) + t * h + h * (1 + b)
-        return split // tp + replicated
+        u = self.shape.units()
+        split = self.layers * u["block_tp_split"] + u["embed_tp_split"] + u["head_tp_split"]
+        dense = u["embed"] + self.layers * u["block"] + u["head"]
+        return split // tp + dense - split
 
     def root_params(self, tp: int = 1) -> int:
         """Parameters FSDP leaves to the root (no unit claims them): embeddings, final norm, head."""
-        h, b = self.hidden, int(self.bias)
-        t = self.max_positions or self.seq
-        return 2 * self.vocab * h // tp + t * h + h * (1 + b)
+        u = self.shape.units()
+        split = u["embed_tp_split"] + u["head_tp_split"]
+        return split // tp + u["embed"] + u["head"] - split
 
     def param_tensors(self) -> int:
-        """Parameter tensors of the dense GPT: per block two norms and six linears (a weight each, and a
-        bias each with ``bias``), two embeddings, the final norm and the head. MoE blocks are counted as
-        dense ones: the count only prices zero2's per-step 4-byte flags, a rounding error beside Ψ."""
-        b = int(self.bias)
-        return self.layers * 8 * (1 + b) + 2 + (1 + b) + 1
+        """Parameter tensors of the dense GPT. MoE blocks are counted as dense ones: the count only
+        prices zero2's per-step 4-byte flags, a rounding error beside Ψ."""
+        u = self.shape.units()
+        return u["embed_tensors"] + self.layers * u["block_tensors"] + u["head_tensors"]
 
     def activation_bytes(self, dtype_bytes: int) -> int:
         return self.micro_batch * self.seq * self.hidden * dtype_bytes
@@ -178,58 +185,127 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
 
     Raises ValueError for a strategy or option this model does not cover.
     """
-    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    b, P = dtype_bytes, n_params
-    get = lambda axis: int(mesh.get(axis, 1))  # noqa: E731
-    rep, shard, tp, pp = get("dp_replicate"), get("dp_shard"), get("tp"), get("pp")
     if sequence_parallel or loss_parallel:
         raise ValueError("comm_model: sequence_parallel / loss_parallel traffic is not modelled")
-    if strategy in MODEL_PARALLEL and shape is None:
+    try:
+        traffic = _TRAFFIC[entry(strategy).comm]  # the catalogue names each strategy's traffic model
+    except ValueError:
+        raise ValueError(f"comm_model: no communication model for strategy {strategy!r}") from None
+    if traffic in _NEEDS_SHAPE and shape is None:
         raise ValueError(f"comm_model: strategy {strategy} needs a shape (activation sizes)")
+    get = lambda axis: int(mesh.get(axis, 1))  # noqa: E731
+    step = _Step(defaultdict(lambda: defaultdict(int)), n_params, dtype_bytes, shape, get("dp_replicate"),
+                 get("dp_shard"), get("tp"), get("pp"), get("ep"), micro_batches, kept_params, reshard_after_forward,
+                 schedule, virtual_stages, stage_rank, stage_params, grad_clip, expert_params, data_parallel,
+                 activation_bytes, recompute, param_tensors)
+    traffic(step)
+    return {k: dict(v) for k, v in step.out.items() if any(v.values())}
 
-    def fsdp(params: int, kept: int, axis: str, reshard: bool) -> None:
-        if shard <= 1:
+
+@dataclass
+class _Step:
+    """``step_comm_bytes``'s arguments, and the bytes counted so far (``out``)."""
+
+    out: dict
+    P: int
+    b: int
+    shape: CommShape | None
+    rep: int
+    shard: int
+    tp: int
+    pp: int
+    ep: int
+    micro_batches: int
+    kept_params: int
+    reshard_after_forward: bool
+    schedule: str
+    virtual_stages: int
+    stage_rank: int | None
+    stage_params: int | None
+    grad_clip: bool
+    expert_params: int
+    data_parallel: str
+    activation_bytes: int | None
+    recompute: bool
+    param_tensors: int | None
+
+    def fsdp(self, params: int, kept: int, axis: str, reshard: bool) -> None:
+        if self.shard <= 1:
             return
-        _add(out, "all_gather", axis, (2 * params - kept if reshard else params) * b)
-        _add(out, "reduce_scatter", axis, params * b)
+        _add(self.out, "all_gather", axis, (2 * params - kept if reshard else params) * self.b)
+        _add(self.out, "reduce_scatter", axis, params * self.b)
 
-    if strategy == "single":
-        pass
-    elif strategy == "ddp":
-        _add(out, "all_reduce", "dp_replicate", P * b * (rep * shard > 1))
-    elif strategy == "zero1":
-        n = rep * shard
-        _add(out, "all_reduce", "dp_shard", P * b * (n > 1))  # DDP's gradient buckets
-        _add(out, "broadcast", "dp_shard", P * b * (n > 1))  # every owner broadcasts its updated params
-    elif strategy == "zero2":
-        if shard > 1:
-            _add(out, "reduce_scatter", "dp_shard", _pad(P, shard) * b)
-            _add(out, "all_gather", "dp_shard", _pad(P, shard) * b)
-            flags = param_tensors if param_tensors is not None else (shape.param_tensors() if shape else 0)
-            _add(out, "all_reduce", "dp_shard", 4 * (flags + grad_clip))
-    elif strategy in ("zero3", "zero3_offload", "fsdp", "hsdp"):
-        fsdp(P, kept_params, "dp_shard", reshard_after_forward)
-        if rep > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
-            _add(out, "all_reduce", "dp_replicate", P / shard * b)
-    elif strategy == "tensor_parallel":
-        _tp_activation_comm(out, shape, tp, b, 1)
-        _add(out, "all_reduce", "dp_replicate", shape.tp_params(tp) * b * (rep > 1))
-    elif strategy == "fsdp_tp":
-        _tp_activation_comm(out, shape, tp, b, 1)
-        fsdp(shape.tp_params(tp), kept_params, "dp_shard", reshard_after_forward)
-    elif strategy in ("pipeline", "3d"):
-        _pipeline(out, shape, pp, micro_batches, b, schedule, virtual_stages, tp if strategy == "3d" else 1, stage_rank)
-        mine = stage_params if stage_params is not None else \
-            (shape.tp_params(tp) if strategy == "3d" else P) // pp
-        if strategy == "3d":
-            fsdp(mine, 0, "dp_shard", False)  # no re-gather per micro-batch under a pipeline
-        _add(out, "all_reduce", "dp_replicate", mine * b * (rep > 1))
-    elif strategy == "expert_parallel":
-        _expert_parallel(out, shape, P, expert_params, get("ep"), rep, shard, b, fsdp=data_parallel == "fsdp",
-                         act_b=b if activation_bytes is None else activation_bytes, recompute=recompute)
-    else:
-        raise ValueError(f"comm_model: no communication model for strategy {strategy!r}")
-    return {k: dict(v) for k, v in out.items() if any(v.values())}
+
+def _none(s: _Step) -> None:
+    """One device: nothing to communicate."""
+
+
+def _all_reduce(s: _Step) -> None:
+    """DDP: every gradient all-reduced once (bucketed)."""
+    _add(s.out, "all_reduce", "dp_replicate", s.P * s.b * (s.rep * s.shard > 1))
+
+
+def _zero1(s: _Step) -> None:
+    n = s.rep * s.shard
+    _add(s.out, "all_reduce", "dp_shard", s.P * s.b * (n > 1))  # DDP's gradient buckets
+    _add(s.out, "broadcast", "dp_shard", s.P * s.b * (n > 1))  # every owner broadcasts its updated params
+
+
+def _zero2(s: _Step) -> None:
+    if s.shard > 1:
+        _add(s.out, "reduce_scatter", "dp_shard", _pad(s.P, s.shard) * s.b)
+        _add(s.out, "all_gather", "dp_shard", _pad(s.P, s.shard) * s.b)
+        flags = s.param_tensors if s.param_tensors is not None else (s.shape.param_tensors() if s.shape else 0)
+        _add(s.out, "all_reduce", "dp_shard", 4 * (flags + s.grad_clip))
+
+
+def _fsdp(s: _Step) -> None:
+    s.fsdp(s.P, s.kept_params, "dp_shard", s.reshard_after_forward)
+    if s.rep > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
+        _add(s.out, "all_reduce", "dp_replicate", s.P / s.shard * s.b)
+
+
+def _tensor_parallel(s: _Step) -> None:
+    _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1)
+    _add(s.out, "all_reduce", "dp_replicate", s.shape.tp_params(s.tp) * s.b * (s.rep > 1))
+
+
+def _fsdp_tp(s: _Step) -> None:
+    _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1)
+    s.fsdp(s.shape.tp_params(s.tp), s.kept_params, "dp_shard", s.reshard_after_forward)
+
+
+def _pipeline_dp(s: _Step, tp: int | None) -> None:
+    """A pipeline rank's sends and receives, then its stages' gradients over the data axis: FSDP over
+    dp_shard (no re-gather per micro-batch under a pipeline) or all-reduced over dp_replicate.
+    ``tp`` None: no tensor parallelism in the layout (the parameters are Ψ, not the TP split)."""
+    _pipeline(s.out, s.shape, s.pp, s.micro_batches, s.b, s.schedule, s.virtual_stages, tp or 1, s.stage_rank)
+    mine = s.stage_params if s.stage_params is not None else (s.shape.tp_params(tp) if tp else s.P) // s.pp
+    s.fsdp(mine, 0, "dp_shard", False)
+    _add(s.out, "all_reduce", "dp_replicate", mine * s.b * (s.rep > 1))
+
+
+def _pipeline_only(s: _Step) -> None:
+    _pipeline_dp(s, None)
+
+
+def _3d(s: _Step) -> None:
+    _pipeline_dp(s, s.tp)
+
+
+def _expert(s: _Step) -> None:
+    _expert_parallel(s.out, s.shape, s.P, s.expert_params, s.ep, s.rep, s.shard, s.b,
+                     fsdp=s.data_parallel == "fsdp", act_b=s.b if s.activation_bytes is None else s.activation_bytes,
+                     recompute=s.recompute)
+
+
+#: the traffic models a catalogue entry may name (``StrategyEntry.comm``)
+_TRAFFIC: dict[str, Callable[[_Step], None]] = {
+    "none": _none, "all_reduce": _all_reduce, "zero1": _zero1, "zero2": _zero2, "fsdp": _fsdp,
+    "tensor_parallel": _tensor_parallel, "fsdp_tp": _fsdp_tp, "pipeline": _pipeline_only, "3d": _3d,
+    "expert_parallel": _expert}
+_NEEDS_SHAPE = (_tensor_parallel, _fsdp_tp, _pipeline_only, _3d)
+TRAFFIC_MODELS = tuple(_TRAFFIC)
 
 
 def _expert_parallel(out: dict, shape: CommShape | None, P: int, experts: int, ep: int, rep: int, shard: int,

@@ -1,0 +1,77 @@
+"""``python -m lightning_par.modes.advise``: the strategy advisor (``lightning_par/advisor.py``) on a
+command line: the model (a preset, or a parameter count with its layers and width) and the cluster
+in, the recommended plan, the reasons, every candidate's cost and the command that runs it out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_par.advisor import Advice, Cluster, advise
+from lightning_par.costs.activations import Shape
+from lightning_par.estimate import GIB
+
+
+def shape_from_args(args: argparse.Namespace) -> tuple[Shape, str | None]:
+    from lightning_par.estimate import model_shape
+
+    if args.model:
+        return model_shape(args.model, args.seq_len)[1], args.model
+    if not (args.layers and args.hidden):
+        raise ValueError("--params needs --layers and --hidden")
+    heads = args.heads or max(1, args.hidden // 128)
+    shape = Shape(args.layers, args.hidden, heads, args.vocab, args.seq_len or 2048, args.mlp_ratio,
+                  bias=False, block_size=args.seq_len or 2048)
+    got = shape.units()["total"]
+    if abs(got - args.params) > 0.1 * args.params:
+        raise ValueError(f"--layers {args.layers} --hidden {args.hidden} --vocab {args.vocab} build {got:,} "
+                         f"parameters, not about {args.params:,.0f}")
+    return shape, None
+
+
+def main(argv: list[str] | None = None) -> Advice:
+    ap = argparse.ArgumentParser(prog="python -m lightning_par.modes.advise",
+                                 description="Strategy advisor: which strategy for this model on this cluster, "
+                                             "and the command that runs it.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a GPT preset name (see conf/model)")
+    src.add_argument("--params", type=float, help="parameter count (with --layers and --hidden)")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--heads", type=int, default=None, help="default: hidden / 128")
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--mlp-ratio", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size, else 2048")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--devices-per-node", type=int, default=8)
+    ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device")
+    ap.add_argument("--intra-node-gbs", type=float, default=300.0, help="GB/s per device within a node")
+    ap.add_argument("--inter-node-gbs", type=float, default=25.0, help="GB/s per device between nodes")
+    ap.add_argument("--precision", default="bf16-mixed")
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--no-checkpointing", action="store_true", help="assume no activation checkpointing")
+    args = ap.parse_args(argv)
+    try:
+        shape, preset = shape_from_args(args)
+        cluster = Cluster(args.nodes, args.devices_per_node, args.device_memory, args.intra_node_gbs,
+                          args.inter_node_gbs)
+        advice = advise(shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
+                        checkpointing=not args.no_checkpointing, preset=preset)
+    except ValueError as exc:
+        ap.error(str(exc))
+    budget = cluster.device_memory_gb * GIB * 0.9
+    print(f"Recommended: {advice.strategy or 'nothing fits'}")
+    for r in advice.reasons:
+        print(f"  - {r}")
+    print()
+    print(advice.table(budget))
+    print()
+    if advice.strategy is None:
+        sys.exit(2)
+    print("Run it with:")
+    print("  " + advice.command())
+    return advice
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""``mode=estimate`` and ``python -m lightning_par.modes.estimate``: the memory model
+(``lightning_par/estimate.py``) asked about a run's config or a command line. App code: it reads
+config nodes and builds the configured strategy; the cost model below it takes plain arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from typing import Any
+
+from lightning_par.costs.peak import Layout
+from lightning_par.dtypes import canonical_precision, dtype_bytes, parse_dtype
+from lightning_par.estimate import (OPTIMIZERS, PRECISIONS, STRATEGIES, estimate, estimate_table,
+                                    model_shape)
+from lightning_par.strategies.catalog import CATALOG, entry, entry_of
+
+
+def run_estimate(cfg: Any) -> str:
+    """``python run.py mode=estimate ...``: the table for the run's config, and ``estimate.json``.
+
+    Rows: the data-parallel family at N ranks and, when the configured strategy is another, that
+    strategy with its own mesh (``dims_for``). N, the per-rank micro-batch and the mesh come from
+    ``lightning_par.facts`` (as training computes them); the model's shape from the module the model
+    config builds. Optional keys: ``+estimate.device_memory=80`` (a fits column, in ``unit``),
+    ``+estimate.unit=GB``, ``+estimate.params=7.5e9`` (a bare count instead of the model),
+    ``+estimate.device=cpu`` (default: cuda unless ``trainer.accelerator=cpu``).
+    Writes ``<run dir>/estimate.json`` (bytes). Raises ``ConfigError`` (one line) for bad input.
+    """
+    from lightning_par import ConfigError
+    from lightning_par import facts
+
+    opts = cfg.get("estimate") or {}
+    try:
+        n = facts.world_size(cfg)
+        precision = str(cfg.trainer.get("precision", "32-true"))
+        precision = canonical_precision(precision)  # Lightning's short forms: bf16 -> bf16-mixed
+        optimizer = str(cfg.model.get("optimizer", "adamw"))
+        device = str(opts.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda"))
+        strategy, tiling = facts.strategy_of(cfg.strategy)
+        found = entry_of(strategy)
+        if found is None:
+            raise ValueError(f"the estimator has no model for strategy {type(strategy).__name__} (not in the "
+                             "strategy catalogue, lightning_par/strategies/catalog.py)")
+        name = found.name
+        dims = facts.mesh_of(strategy, n)
+        gbs = int(cfg.data.get("global_batch_size", n))
+        micro = facts.micro_batch_size(gbs, dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1)))
+        checkpointing = bool(getattr(strategy, "activation_checkpointing", False))
+        params = opts.get("params")
+        shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
+        model: Any = int(float(params)) if params is not None else (shape or _count_params(cfg.model))
+        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+        kw = dict(devices=n, precision=precision, optimizer=optimizer, checkpointing=checkpointing, device=device)
+        rows, notes = [], []
+        family = [s for s in STRATEGIES if s != name] if n > 1 else []
+        for row in family:  # the data-parallel family: dp = N (single: one device)
+            dp = 1 if row == "single" else n
+            row_micro = max(1, gbs // (dp * accumulate))
+            if gbs % (dp * accumulate):
+                notes = [f"note: data.global_batch_size={gbs} does not split over {dp} ranks x {accumulate}; the "
+                         f"data-parallel rows assume a micro-batch of {row_micro}"]
+            rows.append(replace(estimate(model, strategy=row, micro_batch_size=row_micro, **kw),
+                                micro_batch_size=row_micro))
+        rows.append(replace(estimate(model, strategy=name, micro_batch_size=micro,
+                                     layout_=strategy_layout(name, strategy, dims, tiling), **kw), micro_batch_size=micro))
+        rows.sort(key=lambda r: [e.name for e in CATALOG].index(r.strategy))
+        table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
+                                                   unit=str(opts.get("unit", "GiB")), micro_batch_size=micro, **kw)])
+    except (ValueError, KeyError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+    out_dir = str(cfg.paths.output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    record = {"world_size": n, "strategy": name, "mesh": dims.sizes(), "precision": precision,
+              "optimizer": optimizer, "micro_batch_size": micro, "checkpointing": checkpointing, "device": device, "seq_len": shape.seq_len if shape else None,
+              "n_params": model if isinstance(model, int) else model.units()["total"],
+              "strategies": [r.as_dict() for r in rows]}
+    with open(os.path.join(out_dir, "estimate.json"), "w") as f:
+        json.dump(record, f, indent=2)
+    print(table)
+    return table
+
+
+def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
+    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...)."""
+    e = entry(name)
+    base = e.cost_layout(dims.world_size, tp=dims.tp, pp=dims.pp, ep=dims.ep,
+                         replicate=dims.dp_replicate if e.sharding_for(getattr(strategy, "data_parallel", None) or
+                                                                       e.defaults().get("data_parallel")).grads == "fsdp"
+                         else 1, data_parallel=getattr(strategy, "data_parallel", None))
+    pd = getattr(strategy, "param_dtype", None)  # FSDP mixed precision: bf16 gathers move 2 bytes per parameter
+    n_micro = getattr(strategy, "_n_microbatches", None)
+    return replace(base, cpu_offload=base.cpu_offload or bool(getattr(strategy, "cpu_offload", False)),
+                   prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
+                   gather_bytes=dtype_bytes(parse_dtype(pd, "param_dtype")) if pd else None,
+                   schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,
+                   virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
+                   sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
+                   loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
+                   mesh=dims.sizes())
+
+
+def _count_params(model_cfg: Any) -> int:
+    import torch
+    from hydra.utils import instantiate
+
+    module = instantiate(model_cfg)
+    with torch.device("meta"):
+        module.configure_model()
+    return sum(p.numel() for p in module.parameters())
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(prog="python -m lightning_par.modes.estimate",
+                                 description="Memory per rank of every strategy (lightning_par/estimate.py)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a GPT preset name (lightning_par.models.gpt.PRESETS)")
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (no activations)")
+    ap.add_argument("--devices", type=int, default=1, help="data-parallel size N")
+    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size")
+    ap.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="which kernels run")
+    ap.add_argument("--device-memory", type=float, default=None, help="device memory, in --unit")
+    ap.add_argument("--unit", default="GiB", choices=("GiB", "GB"))
+    args = ap.parse_args(argv)
+    try:
+        model, shape = model_shape(args.model, args.seq_len) if args.model else (args.params, None)
+        return estimate_table(model, devices=args.devices, precision=args.precision, optimizer=args.optimizer,
+                              shape=shape, micro_batch_size=args.micro_batch_size, checkpointing=args.checkpointing,
+                              device_memory=args.device_memory, unit=args.unit, echo=True, device=args.device)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+if __name__ == "__main__":
+    main()
