@@ -73,3 +73,5 @@ def test_zero3_picks_the_largest_size_under_the_cap(tmp_path):
     k = next(k for k in (1, 2, 4) if 4 // k <= best)
     assert (result["accumulate_grad_batches"], result["micro_batch_size"]) == (k, 4 // k)
     assert f"trainer.accumulate_grad_batches={k}" in proc.stdout and "strategy=zero3" in result["command"]
+    # the printed command trains at the global batch it was found for (it used to drop it: micro-batch 1)
+    assert "data.global_batch_size=8" in result["command"].split() and result["command"] in proc.stdout

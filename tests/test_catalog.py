@@ -161,3 +161,16 @@ print(json.dumps({"file": lightning_par.__file__, "registered": StrategyRegistry
         runs[strategy] = json.loads((tmp_path / strategy / "summary.json").read_text())
     assert runs["toy"]["strategy"] == "toy" and runs["toy"]["world_size"] == 2
     assert_losses_match(runs["toy"], runs["single"])
+
+
+def test_estimate_names_a_preset_by_its_entry(tmp_path: Path) -> None:
+    """``mode=estimate strategy=hsdp`` labelled its row ``fsdp`` (the class's name) and dropped the
+    plain fsdp row; the catalogue tells the preset apart."""
+    from tests.helpers import composed
+    from lightning_par.modes.estimate import run_estimate
+
+    run_estimate(composed("mode=estimate", "model=gpt2", "strategy=hsdp", "trainer.devices=4", tmp=tmp_path))
+    record = json.loads((tmp_path / "estimate.json").read_text())
+    rows = {r["strategy"]: r for r in record["strategies"]}
+    assert record["strategy"] == "hsdp" and {"fsdp", "hsdp"} <= set(rows)
+    assert rows["hsdp"]["mesh"] == {"dp_replicate": 2, "dp_shard": 2} and rows["fsdp"]["mesh"] == {"dp_shard": 4}

@@ -183,7 +183,10 @@ def find_batch_size(cfg: DictConfig) -> dict[str, Any]:
                           + (f" within {cap_gb} GB" if cap else "") + "; shard more (zero3, fsdp) or offload")
     global_batch = int(cfg.data.global_batch_size)
     accumulate, micro = accumulation_for(global_batch, dp, best)
-    command = " ".join(["python run.py", *overrides, f"trainer.accumulate_grad_batches={accumulate}"])
+    # the global batch is the run's own (dropped from the tries' overrides, which set their own): said
+    # explicitly, so the command trains at dp x micro x accumulate sequences per step
+    command = " ".join(["python run.py", *overrides, f"data.global_batch_size={global_batch}",
+                        f"trainer.accumulate_grad_batches={accumulate}"])
     result = {"strategy": strategy_name, "world_size": world, "dp": dp, "max_memory_bytes": cap,
               "measure": "peak_allocated" if on_cuda else "peak_rss", "seed": seed,
               "max_micro_batch_size": best, "global_batch_size": global_batch, "micro_batch_size": micro,

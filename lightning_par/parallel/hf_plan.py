@@ -300,7 +300,12 @@ def hf_init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
 
     def is_tied_target(path: str, name: str, t: torch.Tensor) -> bool:
         src = ties.get(f"{path}.{name}" if path else name)
-        return src is not None and model.get_parameter(src) is t  # still tied: its source sets it
+        if src is None:
+            return False
+        try:
+            return model.get_parameter(src) is t  # still tied: its source sets it
+        except AttributeError:  # the source lives on another pipeline stage: this copy is set here
+            return False
 
     def init(module: nn.Module) -> None:
         path = getattr(module, _PATH_TAG, None)
