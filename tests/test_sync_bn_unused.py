@@ -143,12 +143,9 @@ SCRIPT = textwrap.dedent('''
         else:
             x = torch.randn(256, 12, generator=g)
             y = (x @ torch.randn(12, 5, generator=g)).argmax(-1)
-        if devices == 1 and name == "lp_single":
-            # under a multi-process strategy Lightning puts a DistributedSampler on the training set, which
-            # shuffles (seed 0, epoch 0) even when the DataLoader does not: the one-device run reads the same
-            # order, so its batch k is the union of the ranks' batches k -- the global batch
-            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-            x, y = x[perm], y[perm]
+        # under every strategy, lp_single included, Lightning's DistributedSampler shuffles the training set
+        # (seed 0, epoch 0) even when the DataLoader does not: batch k of the one-device run is the union
+        # of the ranks' batches k -- the global batch
         record = Record()
         trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
                             sync_batchnorm=sync, callbacks=[record], logger=False, enable_checkpointing=False,

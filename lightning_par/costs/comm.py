@@ -153,7 +153,8 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                     sequence_parallel: bool = False, loss_parallel: bool = False,
                     grad_clip: bool = False, expert_params: int = 0,
                     data_parallel: str = "replicate", activation_bytes: int | None = None,
-                    recompute: bool = False, param_tensors: int | None = None) -> dict[str, dict[str, int]]:
+                    recompute: bool = False, param_tensors: int | None = None,
+                    accumulate: int = 1) -> dict[str, dict[str, int]]:
     """Payload bytes one rank sends through collectives in one optimizer step: ``{kind: {axis: bytes}}``.
 
     Args:
@@ -168,7 +169,9 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             This repository passes ``reshard_after_forward=True`` explicitly to every ``fully_shard``
             call, root included, so nothing is kept: 0. Under torch's default (None) the root's
             parameters are kept: pass ``shape.root_params()``.
-        reshard_after_forward: FSDP re-gathers every unit in backward (ZeRO-3).
+        reshard_after_forward: FSDP re-gathers every unit in backward (ZeRO-3). Without it only the root
+            is gathered again in backward (FSDP2 frees the root after forward whatever the flag; measured:
+            the root's bytes exactly, ``shape.root_params``; without a shape it is not counted).
         schedule / virtual_stages / stage_rank: pipeline layout; stage_rank None: the busiest rank.
         stage_params: parameters of one pipeline rank's stages (pipeline x data parallel); None:
             n_params / pp.
@@ -182,6 +185,11 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             autocast), which the combine all-to-all and the dispatch's gradient carry; None: ``dtype_bytes``.
         recompute: expert_parallel: activation checkpointing re-runs each MoE layer's forward in backward,
             and with it the dispatch, the combine and the counts' exchange.
+        accumulate: micro-batches per optimizer step (``trainer.accumulate_grad_batches``). DDP, ZeRO-1
+            and ZeRO-2 reduce gradients once per step (DDP's ``no_sync``; ZeRO-2's one flat
+            reduce-scatter); every other strategy communicates in every forward and backward: FSDP2
+            gathers and reduce-scatters per micro-batch, the mesh strategies average replicated
+            gradients after every backward, and activations travel per micro-batch.
 
     Raises ValueError for a strategy or option this model does not cover.
     """
@@ -199,7 +207,9 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                  schedule, virtual_stages, stage_rank, stage_params, grad_clip, expert_params, data_parallel,
                  activation_bytes, recompute, param_tensors)
     traffic(step)
-    return {k: dict(v) for k, v in step.out.items() if any(v.values())}
+    k = 1 if traffic in _ONCE_PER_STEP else max(1, int(accumulate))
+    return {kind: {axis: nbytes * k for axis, nbytes in axes.items()} for kind, axes in step.out.items()
+            if any(axes.values())}
 
 
 @dataclass
@@ -229,11 +239,16 @@ class _Step:
     recompute: bool
     param_tensors: int | None
 
-    def fsdp(self, params: int, kept: int, axis: str, reshard: bool) -> None:
+    def fsdp(self, params: int, kept: int, axis: str, reshard: bool, root: int = 0) -> None:
+        """FSDP over ``axis``: gathered in forward and again in backward (``reshard``; ``kept`` only
+        once), or once and the root (``root`` parameters) again; reduce-scattered once."""
         if self.shard <= 1:
             return
-        _add(self.out, "all_gather", axis, (2 * params - kept if reshard else params) * self.b)
+        _add(self.out, "all_gather", axis, (2 * params - kept if reshard else params + root) * self.b)
         _add(self.out, "reduce_scatter", axis, params * self.b)
+
+    def root(self, tp: int = 1) -> int:
+        return self.shape.root_params(tp) if self.shape is not None else 0
 
 
 def _none(s: _Step) -> None:
@@ -260,7 +275,7 @@ def _zero2(s: _Step) -> None:
 
 
 def _fsdp(s: _Step) -> None:
-    s.fsdp(s.P, s.kept_params, "dp_shard", s.reshard_after_forward)
+    s.fsdp(s.P, s.kept_params, "dp_shard", s.reshard_after_forward, s.root())
     if s.rep > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
         _add(s.out, "all_reduce", "dp_replicate", s.P / s.shard * s.b)
 
@@ -272,7 +287,7 @@ def _tensor_parallel(s: _Step) -> None:
 
 def _fsdp_tp(s: _Step) -> None:
     _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1)
-    s.fsdp(s.shape.tp_params(s.tp), s.kept_params, "dp_shard", s.reshard_after_forward)
+    s.fsdp(s.shape.tp_params(s.tp), s.kept_params, "dp_shard", s.reshard_after_forward, s.root(s.tp))
 
 
 def _pipeline_dp(s: _Step, tp: int | None) -> None:
@@ -305,6 +320,7 @@ _TRAFFIC: dict[str, Callable[[_Step], None]] = {
     "tensor_parallel": _tensor_parallel, "fsdp_tp": _fsdp_tp, "pipeline": _pipeline_only, "3d": _3d,
     "expert_parallel": _expert}
 _NEEDS_SHAPE = (_tensor_parallel, _fsdp_tp, _pipeline_only, _3d)
+_ONCE_PER_STEP = (_none, _all_reduce, _zero1, _zero2)
 TRAFFIC_MODELS = tuple(_TRAFFIC)
 
 

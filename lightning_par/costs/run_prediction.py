@@ -1,0 +1,95 @@
+"""The comm model asked about the run in progress: ``comm_predicted`` in summary.json, beside the
+measured ``comm`` (``callbacks/comm.py``), with the same keys (``{kind: {axis: bytes}}`` per step and
+rank, the busiest rank's).
+
+A Lightning callback of the estimates layer: it reads the built strategy (its catalogue entry,
+mesh, options), the model's shape where the model declares one (a GPT or MoE config: ``config``
+with ``n_layer``/``n_embd``/``vocab_size``), the micro-batch and sequence of the first training
+batch and the trainer's accumulation, and asks ``costs/comm.step_comm_bytes``. Strategies whose
+traffic depends on activations (tensor and pipeline parallelism) need the shape; without one the
+prediction is ``null`` and ``comm_predicted_note`` says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+
+from lightning_par import dtypes
+from lightning_par.costs.comm import CommShape, step_comm_bytes
+from lightning_par.strategies.catalog import entry_of
+
+
+class CommPrediction(L.Callback):
+    def __init__(self) -> None:
+        self._batch: tuple[int, int] | None = None
+        self.predicted: dict[str, dict[str, int]] | None = None
+        self.note: str | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._batch, self.predicted, self.note = None, None, None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
+        if self._batch is None:
+            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+            if hasattr(x, "shape") and len(x.shape) >= 2:
+                self._batch = (int(x.shape[0]), int(x.shape[1]))
+
+    def finalize(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Called by ``RunSummary`` before it reads ``summary()``."""
+        try:
+            self.predicted = predict(trainer, pl_module, self._batch)
+        except ValueError as e:  # a layout or option the comm model does not cover
+            self.predicted, self.note = None, str(e)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"comm_predicted": self.predicted}
+        if self.note:
+            out["comm_predicted_note"] = self.note
+        return out
+
+
+def comm_shape(config: Any, micro_batch: int, seq: int) -> CommShape | None:
+    """The comm model's shape of a GPT/MoE config (``models/gpt.py``, ``models/moe.py``); None for
+    another model."""
+    if not all(hasattr(config, k) for k in ("n_layer", "n_embd", "vocab_size")):
+        return None
+    return CommShape(config.n_layer, config.n_embd, seq, micro_batch, config.vocab_size,
+                     getattr(config, "mlp_ratio", 4), getattr(config, "block_size", None), getattr(config, "bias", True),
+                     int(getattr(config, "n_moe_layers", 0) or 0), int(getattr(config, "n_experts", 0) or 0),
+                     int(getattr(config, "top_k", 0) or 0))
+
+
+def predict(trainer: L.Trainer, pl_module: L.LightningModule,
+            batch: tuple[int, int] | None) -> dict[str, dict[str, int]] | None:
+    strategy = trainer.strategy
+    found = entry_of(strategy)
+    if found is None:
+        raise ValueError(f"{type(strategy).__name__} is not in the strategy catalogue: no comm model")
+    facts = getattr(strategy, "model_facts", None) or {}
+    mesh = dict(getattr(strategy, "mesh_sizes", None) or {})
+    pp = mesh.get("pp", 1)
+    pipelined = getattr(strategy, "pipelined", False) or pp > 1
+    schedule = str(getattr(strategy, "schedule", "1f1b"))
+    n_micro = strategy.n_microbatches_for(pp) if pipelined and hasattr(strategy, "n_microbatches_for") else 1
+    virtual = getattr(strategy, "virtual_stages", None) or \
+        (2 if schedule in ("interleaved_1f1b", "zb", "zbv") else 1)
+    config = getattr(pl_module, "config", None)
+    shape = comm_shape(config, batch[0] // n_micro, batch[1]) if batch and config is not None else None
+    precision = dtypes.precision(dtypes.canonical_precision(str(trainer.precision)))
+    param_dtype = getattr(strategy, "param_dtype", None)
+    gather = dtypes.parse_dtype(param_dtype, "param_dtype") if param_dtype else precision.param
+    reshard = getattr(strategy, "reshard_after_forward", True)
+    clip = trainer.gradient_clip_val
+    return step_comm_bytes(
+        found.name, n_params=int(facts.get("n_params", sum(p.numel() for p in pl_module.parameters()))),
+        mesh=mesh, dtype_bytes=dtypes.dtype_bytes(gather), shape=shape, micro_batches=n_micro,
+        reshard_after_forward=True if reshard is None else bool(reshard), schedule=schedule,
+        virtual_stages=int(virtual), sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
+        loss_parallel=bool(getattr(strategy, "loss_parallel", False)), grad_clip=bool(clip and clip > 0),
+        expert_params=int(getattr(config, "n_expert_params", 0) or 0),
+        data_parallel=str(getattr(strategy, "data_parallel", "replicate")),
+        activation_bytes=dtypes.dtype_bytes(precision.compute),
+        recompute=bool(getattr(strategy, "activation_checkpointing", False)),
+        accumulate=int(trainer.accumulate_grad_batches))
