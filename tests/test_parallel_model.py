@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.callbacks.bubble import BubbleMeter
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.parallel.pipeline import (
+    Pipeline,
     PipelineStageModule,
     balance_layers,
-    build_pipeline,
+    build_schedule,
     build_stage_modules,
     layer_costs_by_params,
     stage_indices_for_rank,
@@ -158,14 +160,27 @@ def test_check_tp_divisible_and_matching() -> None:
 # pipeline parallel
 
 
+def _pipeline(model: nn.Module, schedule: str, v: int) -> Pipeline:
+    """This rank's stages of ``model`` and their schedule, built as the pipeline strategy builds them
+    (``MeshParallelStrategy._cut`` and ``_build_schedule``): layers balanced by parameter count, one
+    micro-batch per rank."""
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    layers = model.parallel_plan().layers
+    n_stages = validate_pipeline(schedule, pp_size=pp, n_microbatches=pp, virtual_stages=v, n_layers=len(layers))
+    bounds = balance_layers(layer_costs_by_params(model, layers), n_stages)
+    indices = stage_indices_for_rank(schedule, rank, pp, v)
+    stages = build_stage_modules(model, layers=layers, boundaries=bounds, stage_indices=indices)
+    return build_schedule(stages, schedule=schedule, n_microbatches=pp, loss_fn=_lm_loss, virtual_stages=v,
+                          stage_indices=indices)
+
+
 def _pp_worker(rank: int, world_size: int, variants: list[tuple[str, int]]) -> dict:
     results = {}
     for schedule, v in variants:
         torch.manual_seed(0)
         ref = GPT(GPTConfig(**PP_CFG))
         model = copy.deepcopy(ref)
-        pipe = build_pipeline(model, layers=model.parallel_plan().layers, schedule=schedule,
-                              n_microbatches=world_size, loss_fn=_lm_loss, virtual_stages=v)
+        pipe = _pipeline(model, schedule, v)
         opt = torch.optim.SGD(list(pipe.parameters()), lr=0.5)  # SGD: gradient scale errors show up
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
         ref_params = dict(ref.named_parameters())
@@ -188,7 +203,9 @@ def _pp_worker(rank: int, world_size: int, variants: list[tuple[str, int]]) -> d
                 eval_loss = pipe.eval_step(x, y).item()
                 with torch.no_grad():
                     ref_eval = _lm_loss(ref(x), y).item()
-        stats = pipe.bubble()
+        meter = BubbleMeter()  # what BubbleMonitor measures: the last schedule call (step 2's)
+        stats = dict(bubble=meter.add(pipe.timer, step=2), busy_s=meter.busy[-1], per_stage=meter.busy_by_stage,
+                     theory=theoretical_bubble(schedule, world_size, world_size, len(pipe.stages)))
         results[schedule] = dict(losses=losses, ref_losses=ref_losses, eval=(eval_loss, ref_eval),
                                  stages=[m.stage_index for m in pipe.modules], bubble=stats)
     return results

@@ -7,6 +7,7 @@ batch computed inside each rank (same seed), so parameters must agree after a fe
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_par.callbacks.memory import measure_model_states
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
 from lightning_par.parallel.zero import Zero2Optimizer, make_zero1_optimizer
+from lightning_par.strategies.zero import Zero2Strategy
 from tests.dist import run_distributed
 
 pytestmark = pytest.mark.slow  # multi-process (gloo) runs
@@ -58,6 +61,14 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
+def _zero2_state_bytes(model: nn.Module, opt: Zero2Optimizer) -> dict[str, int]:
+    """What the memory callback counts for strategy=zero2 holding ``opt`` (its ``model_state_tensors``)."""
+    strategy = SimpleNamespace(optimizers=[opt])
+    strategy.model_state_tensors = lambda: Zero2Strategy.model_state_tensors(strategy)
+    states = measure_model_states(strategy, model, [opt])
+    return {k: states[k] for k in ("params", "grads", "optimizer_state")}
+
+
 def _zero_worker(rank: int, world: int) -> dict:
     out: dict = {}
     ref = _tiny()
@@ -72,7 +83,7 @@ def _zero_worker(rank: int, world: int) -> dict:
         F.mse_loss(model(_local(x, rank, world)), _local(y, rank, world)).backward()
         opt.step()
         out.setdefault("grads_after_step", []).append([p.grad for p in model.parameters()])
-        out.setdefault("state_bytes", opt.local_state_bytes())
+        out.setdefault("state_bytes", _zero2_state_bytes(model, opt))
         opt.zero_grad()
     out["zero2_diff"] = _max_diff(model, ref)
     out["shard"] = opt.grad_shard.numel()

@@ -62,7 +62,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
 def measure_model_states(strategy: Any, module: torch.nn.Module, optimizers: list) -> dict[str, int]:
     """Bytes of params / grads / optimizer state on this rank, and how many of them sit in host memory
-    because the strategy offloads them."""
+    because the strategy keeps them there (its ``cpu_offload``)."""
     getter = getattr(strategy, "model_state_tensors", None)
     if callable(getter):
         groups = getter()
@@ -79,7 +79,7 @@ def measure_model_states(strategy: Any, module: torch.nn.Module, optimizers: lis
         total, host = unique_bytes(groups[category], seen)
         out[category] = total
         offloaded += host
-    out["offloaded"] = offloaded if getattr(strategy, "offloads", False) else 0
+    out["offloaded"] = offloaded if getattr(strategy, "cpu_offload", False) else 0
     return out
 
 

@@ -399,13 +399,6 @@ class Pipeline:
         with torch.no_grad():
             return self._run(self.schedule.eval, x, target)  # type: ignore[attr-defined]
 
-    def bubble(self) -> dict:
-        """``bubble_stats`` of the last step plus the theoretical value."""
-        stats = bubble_stats(self.timer.events, self.timer.step_start, self.timer.step_end)
-        p = self.n_stages // len(self.stages)
-        stats["theory"] = theoretical_bubble(self.schedule_name, p, self.n_microbatches, len(self.stages))
-        return stats
-
 
 def _group_of(pp_group: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     if isinstance(pp_group, DeviceMesh):
@@ -466,29 +459,3 @@ def build_schedule(
              n_stages, pp_rank, n_microbatches)
     return Pipeline(sched, schedule, list(modules), stages, timer, n_microbatches, n_stages, group)
 
-
-def build_pipeline(
-    model: nn.Module,
-    *,
-    layers: Sequence[str],
-    schedule: str,
-    n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    pp_group: DeviceMesh | dist.ProcessGroup | None = None,
-    virtual_stages: int = 1,
-    costs: Sequence[float] | None = None,
-    device: torch.device | str | None = None,
-) -> Pipeline:
-    """Cut ``model`` (balanced by ``costs``, default parameter counts), keep this rank's stages and
-    build the schedule. To apply other techniques per stage (TP, FSDP) use the steps separately:
-    ``balance_layers`` -> ``build_stage_modules`` -> parallelize each module -> ``build_schedule``."""
-    group = _group_of(pp_group)
-    pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
-    n_stages = validate_pipeline(schedule, pp_size=pp_size, n_microbatches=n_microbatches,
-                                 virtual_stages=virtual_stages, n_layers=len(layers))
-    costs = list(costs) if costs is not None else layer_costs_by_params(model, layers)
-    bounds = balance_layers(costs, n_stages)
-    indices = stage_indices_for_rank(schedule, pp_rank, pp_size, virtual_stages)
-    modules = build_stage_modules(model, layers=layers, boundaries=bounds, stage_indices=indices)
-    return build_schedule(modules, schedule=schedule, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                          pp_group=group, virtual_stages=virtual_stages, stage_indices=indices, device=device)

@@ -201,13 +201,6 @@ class Zero2Optimizer(torch.optim.Optimizer):
                 p.grad.zero_()
         self.grad_shard.zero_()
 
-    def local_state_bytes(self) -> dict[str, int]:
-        """Bytes of model states this rank holds: full params, gradient shard (plus any full
-        ``.grad`` still alive before ``step``), sharded optimizer state."""
-        grads = self.grad_shard.nbytes + sum(p.grad.nbytes for p in self._params if p.grad is not None)
-        opt = sum(t.nbytes for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t))
-        return {"params": self.flat.nbytes, "grads": grads, "optimizer_state": opt}
-
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state (no communication); load with the same world size."""

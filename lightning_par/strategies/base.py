@@ -105,8 +105,8 @@ class ParStrategyMixin:
     #: set by run.py: the command that starts ranks 1..N-1 (None: Lightning's script re-run)
     child_command: Sequence[str] | None = None
     child_cwd: str | None = None
-    #: True when the strategy keeps model states in host memory (offload)
-    offloads: bool = False
+    #: True when the strategy keeps model states in host memory (the memory callback reads it)
+    cpu_offload: bool = False
     activation_checkpointing: bool = False
     #: ``torch.compile`` each repeated block in place: False, True, or torch.compile's keyword arguments
     #: (``{"mode": "max-autotune-no-cudagraphs"}``); the app sets it from the top-level ``compile`` key,
@@ -263,9 +263,6 @@ class ParStrategyMixin:
             for state in _optimizer_states(opt):
                 states.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
         return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}
-
-    def describe(self) -> dict[str, Any]:
-        return {"mesh": self.mesh_sizes, **self.model_facts}
 
 
 def compile_fields(option: bool | dict[str, Any] | None) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Model parallelism composed on one ``DeviceMesh``: pipeline (PP) x tensor (TP) x data (DP) parallel.
 
 ``MeshParallelStrategy`` is the one Lightning strategy behind ``pipeline``, ``tensor_parallel``,
-``fsdp_tp`` and ``3d``: each of those is this class with some axes switched on (see
-``pipeline.py`` and ``tensor_parallel.py`` for the one-axis presets, and ``FSDPTPStrategy`` /
-``Parallel3DStrategy`` below). The mesh is ``ParallelDims(pp, dp_replicate | dp_shard, tp)``;
+``fsdp_tp``, ``3d`` and ``expert_parallel``: each of those is this class with some axes switched on
+(see ``pipeline.py``, ``tensor_parallel.py`` and ``expert_parallel.py`` for the one-axis presets,
+and ``FSDPTPStrategy`` / ``Parallel3DStrategy`` below). The mesh is ``ParallelDims(pp, dp_replicate | dp_shard, tp)``;
 ``dp = world / (pp * tp)`` is inferred. This file decides the sizes, checks them, and says which
 techniques to apply (``techniques``); ``parallel/parallelize.py`` applies them in the order of
 techniques (docs/architecture.md): **cut stages** (``parallel/stages.py``: the model's ``layers``
@@ -40,7 +40,7 @@ from lightning_par.parallel.hf_pipeline import check_hf_pipeline
 from lightning_par.parallel.hf_plan import check_tied
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.expert_parallel import check_expert_parallel, data_mesh
-from lightning_par.parallel.parallelize import ExpertParallel, FullyShard, TensorParallel
+from lightning_par.parallel.parallelize import ExpertParallel, TensorParallel
 from lightning_par.parallel.pipeline import (
     MULTI_STAGE,
     SCHEDULES,
@@ -56,9 +56,9 @@ from lightning_par.parallel.pipeline_ties import StageTie, broadcast_first_copy,
 from lightning_par.parallel.ties import tied_parameters
 from lightning_par.parallel.stages import drop_remote_layers, measure_layer_times, resolve_split_points
 from lightning_par.parallel.tensor_parallel import check_sequence_parallel, check_tp_divisible
-from lightning_par.strategies.base import ShardedStrategy
+from lightning_par.strategies.base import ShardedStrategy, has_batchnorm
 from lightning_par.strategies.checkpoint import canonical_fqn
-from lightning_par.strategies.fsdp import parse_dtype
+from lightning_par.strategies.fsdp_options import FSDPOptions, FSDPOptionsMixin
 from lightning_par.strategies.pipeline_loop import PipelineLoopMixin
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ DATA_PARALLEL = ("replicate", "fsdp")
 BALANCE = ("params", "time")
 
 
-class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
+class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy):
     """Pipeline x tensor x data parallelism on one device mesh (see the module docstring).
 
     Args:
@@ -147,14 +147,12 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         self.split_points = list(split_points) if split_points is not None else None
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
-        self.reshard_after_forward = reshard_after_forward
         self.pipelined = pipelined
-        # FSDP mixed precision over dp_shard (as strategy=fsdp's): compute in param_dtype, keep the
+        # FSDP over dp_shard, with mixed precision as strategy=fsdp's: compute in param_dtype, keep the
         # sharded parameters (the master copy) in their own dtype
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        parse_dtype(param_dtype, "param_dtype")
-        parse_dtype(reduce_dtype, "reduce_dtype")
+        self.fsdp_options = FSDPOptions(reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                                        reduce_dtype=reduce_dtype)
+        self.fsdp_options.check(name)
         self._pipeline: Pipeline | None = None
         self._parallelized = False
         self._loss_scale = 1.0
@@ -182,15 +180,19 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
 
     @override
     def dims_for(self, world_size: int) -> ParallelDims:
+        return self.mesh_dims(world_size, self.ep)
+
+    def mesh_dims(self, world_size: int, ep: int) -> ParallelDims:
+        """The mesh for ``world_size`` ranks with ``ep`` expert-parallel ranks taken from the data axis."""
         pp, tp, dp = self._sizes(world_size)
-        if dp % self.ep:
-            raise ValueError(f"{type(self).__name__}: ep={self.ep} does not divide the data-parallel degree {dp} "
+        if dp % ep:
+            raise ValueError(f"{type(self).__name__}: ep={ep} does not divide the data-parallel degree {dp} "
                              f"(world {world_size} / (pp={pp} x tp={tp})); expert parallelism takes its ranks "
                              "from the data axis")
-        dp //= self.ep
+        dp //= ep
         if self.data_parallel == "fsdp":
-            return ParallelDims(pp=pp, dp_shard=dp, ep=self.ep, tp=tp)
-        return ParallelDims(pp=pp, dp_replicate=dp, ep=self.ep, tp=tp)
+            return ParallelDims(pp=pp, dp_shard=dp, ep=ep, tp=tp)
+        return ParallelDims(pp=pp, dp_replicate=dp, ep=ep, tp=tp)
 
     def n_microbatches_for(self, pp: int) -> int:
         return self._n_microbatches if self._n_microbatches is not None else pp
@@ -202,14 +204,12 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
     @override
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         """Everything checkable before processes start; one-line ``ValueError`` each."""
+        super().validate_setup(world_size, module)  # the mesh, sync_batchnorm, activation checkpointing's blocks
         name = type(self).__name__
         dims = self.dims_for(world_size)
-        dims.validate(world_size)
         plan = resolve_plan(module).plan
         model = type(module).__name__
         check_tied(module, tp=dims.tp, pp=dims.pp, layers=plan.layers)  # a layout that would untie shared weights
-        if self.wants_sync_batchnorm():
-            self.check_sync_batchnorm(world_size, module)
         if (self.param_dtype or self.reduce_dtype) and dims.dp_shard <= 1 and dims.ep > 1:
             raise ValueError(f"{name}: param_dtype/reduce_dtype need a dp_shard axis beside ep={dims.ep} (with none, "
                              "the experts stay outside FSDP, uncast); use trainer.precision=bf16-mixed instead")
@@ -255,16 +255,18 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         if self.loss_parallel and loss_fn_of(module) is None:
             raise ValueError(f"{name}: loss_parallel computes the loss itself and needs "
                              f"{model}.loss_fn(output, target)")
-        if self.activation_checkpointing and not plan.blocks:
-            raise ValueError(f"{name}: activation_checkpointing found no blocks in {model}")
-        if dims.ep > 1:
-            if not getattr(plan, "experts", ()):
-                raise ValueError(f"{name}: ep={dims.ep} but {model} has no experts to spread over ranks (its "
-                                 "parallel_plan() declares no `experts`); use an MoE model or ep=1")
-            check_expert_parallel(dims.ep, getattr(plan, "n_experts", 0), model)
+        self.check_experts(dims, plan, model)
         if self.sequence_parallel and getattr(plan, "experts", ()):  # whatever ep is
             raise ValueError(f"{name}: sequence_parallel with an MoE model ({model}) is not supported (its MoE "
                              "layers run whole on every tp rank and route whole sequences); set sequence_parallel=false")
+
+    def check_experts(self, dims: ParallelDims, plan: Any, model: str) -> None:
+        """With ep > 1: the model declares experts, and ep divides their number."""
+        if dims.ep > 1:
+            if not getattr(plan, "experts", ()):
+                raise ValueError(f"{type(self).__name__}: ep={dims.ep} but {model} has no experts to spread over "
+                                 "ranks (its parallel_plan() declares no `experts`); use an MoE model or ep=1")
+            check_expert_parallel(dims.ep, getattr(plan, "n_experts", 0), model)
 
     def validate_batch(self, batch_size: int, world_size: int) -> None:
         """The batch one pipeline runs per step (global batch / (dp x accumulation)) must split into
@@ -296,6 +298,13 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                 "stages": [m.stage_index for m in pipe.modules] if pipe else []}
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # one mesh over every data rank (dp axis x ep; flattened when both are there): what FSDP shards the
+        # non-expert parameters over beside ep, and what replicated gradients are averaged over
+        self._data_mesh = data_mesh(self.device_mesh)
+
+    @override
     def setup(self, trainer: Any) -> None:
         if self.uses_pipeline(self.parallel_dims) and getattr(self.precision_plugin, "scaler", None) is not None:
             raise ConfigError(f"{type(self).__name__}: a pipeline runs backward inside its schedule and cannot use "
@@ -318,13 +327,10 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
             out["expert_parallel"] = ExpertParallel(mesh["ep"], experts=tuple(getattr(resolved.plan, "experts", ())),
                                                     fsdp_mesh=mesh["dp_shard"] if dims.dp_shard > 1 else None)
         if dims.dp_shard > 1 or (self.data_parallel == "fsdp" and dims.ep > 1):
-            reshard = self.reshard_after_forward
             # beside ep, FSDP shards the non-expert parameters over every data rank (dp_shard x ep); the
             # experts over dp_shard, or (dp_shard = 1) not at all: they are split over ep already
-            out["fully_shard"] = FullyShard(self.data_mesh() if dims.ep > 1 else mesh,
-                                            reshard_after_forward=(not pipelined) if reshard is None else reshard,
-                                            param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
-                                            reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"))
+            out["fully_shard"] = self.fsdp_options.technique(self.data_mesh() if dims.ep > 1 else mesh,
+                                                             reshard_default=not pipelined)
         return out
 
     # ------------------------------------------------------------------ synchronized BatchNorm
@@ -336,8 +342,6 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
 
     @override
     def check_sync_batchnorm(self, world_size: int, module: nn.Module) -> None:
-        from lightning_par.strategies.base import has_batchnorm
-
         if not has_batchnorm(module):
             return
         name, dims = type(self).__name__, self.dims_for(world_size)
@@ -350,7 +354,8 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
                              "tensor-parallel ranks too (they hold different tokens); set sequence_parallel=false")
 
     def data_mesh(self) -> Any:
-        """One mesh over every data rank (dp axis x ep), built once (``parallel/expert_parallel.py``)."""
+        """One mesh over every data rank (dp axis x ep; ``parallel/expert_parallel.py``), built in
+        ``setup_environment``."""
         if self._data_mesh is None:
             self._data_mesh = data_mesh(self.device_mesh)
         return self._data_mesh
@@ -450,14 +455,6 @@ class MeshParallelStrategy(PipelineLoopMixin, ShardedStrategy):
         super().setup_optimizers(trainer)
         for opt in self.optimizers:  # experts on ep beside tp / FSDP shards (or plain tensors)
             per_tensor_where_mixed(opt)
-
-    @override
-    def describe(self) -> dict[str, Any]:
-        out = super().describe()
-        if self.uses_pipeline(self.parallel_dims):
-            out.update(schedule=self.schedule, n_microbatches=self.n_microbatches_for(self.parallel_dims.pp),
-                       virtual_stages=self.virtual_stages)
-        return out
 
 
 def _merge_param_groups(gathered: Sequence[tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]]) -> list[dict]:

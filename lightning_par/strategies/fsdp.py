@@ -9,8 +9,9 @@ offload, and HSDP: ``replicate`` > 1 builds a 2-D mesh (dp_replicate, dp_shard),
 each group of ``world / replicate`` ranks and all-reducing gradients across the groups.
 
 ``zero3`` and ``zero3_offload`` (``strategies/zero.py``) are this strategy with fixed settings.
-The sharding itself is layer 1 (``parallel/fsdp.py``); this file maps options to it and does the
-Lightning plumbing (inherited from ``ShardedStrategy``).
+The sharding itself is layer 1 (``parallel/fsdp.py``); the options are one ``FSDPOptions``
+(``fsdp_options.py``, shared with every strategy that shards with FSDP); this file decides the mesh
+and does the Lightning plumbing (inherited from ``ShardedStrategy``).
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ from datetime import timedelta
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
-from lightning_par.dtypes import parse_dtype  # the one dtype table (composite.py imports it from here)
 from lightning_par.parallel.discovery import ResolvedPlan
 from lightning_par.parallel.fsdp import resolve_units
 from lightning_par.parallel.mesh import ParallelDims
-from lightning_par.parallel.parallelize import FullyShard
 from lightning_par.strategies.base import ShardedStrategy
+from lightning_par.strategies.fsdp_options import FSDPOptions, FSDPOptionsMixin
 
 
-class FSDPStrategy(ShardedStrategy):
+class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
     """Fully sharded data parallel (FSDP2), optionally hybrid (HSDP).
 
     Args:
@@ -63,17 +63,9 @@ class FSDPStrategy(ShardedStrategy):
                  sync_batchnorm: bool = False) -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,
                          process_group_backend=process_group_backend, timeout=timeout, sync_batchnorm=sync_batchnorm)
-        self.units = units if isinstance(units, (str, int)) else list(units)
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        self.cpu_offload = cpu_offload
+        self.fsdp_options = FSDPOptions(units=units, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                                        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
         self.replicate = replicate
-
-    @property
-    def offloads(self) -> bool:  # read by the memory callback
-        return bool(self.cpu_offload)
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:
@@ -85,10 +77,7 @@ class FSDPStrategy(ShardedStrategy):
 
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         super().validate_setup(world_size, module)
-        parse_dtype(self.param_dtype, "param_dtype")
-        parse_dtype(self.reduce_dtype, "reduce_dtype")
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"{type(self).__name__}: prefetch must be an integer >= 0, got {self.prefetch!r}")
+        self.fsdp_options.check(type(self).__name__)
         self.unit_paths(module)
 
     def unit_paths(self, module: nn.Module) -> list[str] | None:
@@ -100,11 +89,4 @@ class FSDPStrategy(ShardedStrategy):
 
     # ------------------------------------------------------------------------ sharding
     def techniques(self, module: nn.Module, resolved: ResolvedPlan) -> dict:
-        # units given by class name or size are resolved when FSDP is applied (after checkpointing
-        # has wrapped the blocks, which changes paths below them)
-        return {"fully_shard": FullyShard(
-            mesh=self.device_mesh, units=None if self.units == "blocks" else self.units,
-            reshard_after_forward=self.reshard_after_forward,
-            param_dtype=parse_dtype(self.param_dtype, "param_dtype"),
-            reduce_dtype=parse_dtype(self.reduce_dtype, "reduce_dtype"),
-            cpu_offload=self.cpu_offload, prefetch=self.prefetch)}
+        return {"fully_shard": self.fsdp_options.technique(self.device_mesh)}

@@ -172,12 +172,13 @@ class Zero3Strategy(FSDPStrategy):
     """
 
     strategy_name = "lp_zero3"
-    _offload = False
+    #: fixed, as the units, resharding and prefetch below (zero3_offload: True)
+    cpu_offload = False
 
     def __init__(self, activation_checkpointing: bool = False, param_dtype: str | None = None,
                  reduce_dtype: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False) -> None:
-        super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=self._offload,
+        super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=self.cpu_offload,
                          activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype, process_group_backend=process_group_backend, timeout=timeout,
                          sync_batchnorm=sync_batchnorm)
@@ -194,4 +195,4 @@ class Zero3OffloadStrategy(Zero3Strategy):
     """
 
     strategy_name = "lp_zero3_offload"
-    _offload = True
+    cpu_offload = True
