@@ -101,6 +101,9 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
                 check_batch(micro, world)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+    from lightning_par.modes.memory_check import check_memory
+
+    check_memory(cfg, strategy, model, world)  # the predicted peak against what a rank has
     return world
 
 

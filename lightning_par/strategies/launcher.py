@@ -55,6 +55,10 @@ class RankDied(RuntimeError):
 
 
 def describe_exit(code: int) -> str:
+    """A child's return code in words; SIGKILL (``-9``, or ``137`` through a shell) is what the kernel's
+    out-of-memory killer sends, so it says so instead of a bare number."""
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return "killed by the kernel (SIGKILL: out of memory?)"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

@@ -1,0 +1,117 @@
+"""The memory check before launch: the estimator's predicted peak per rank against what the machine
+has, so a run that cannot fit stops in one line instead of being killed by the kernel minutes later.
+
+Available per rank: on CUDA the device's total memory; on CPU the host's available memory
+(``MemAvailable``) divided by the ranks this node starts, less what each rank's runtime takes before
+any tensor exists (Python, torch, Lightning: this process's resident size, the batch-size finder's
+baseline). Predicted: ``mode=estimate``'s row for the configured strategy (``costs/peak.py``), for
+the models whose shape the estimator knows (the GPT and MoE presets); other models are not checked.
+``check_memory=false`` skips it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from lightning_par import ConfigError, facts
+
+GIB = 2**30
+
+
+def available_per_rank(on_cuda: bool, ranks_here: int) -> tuple[int, str]:
+    """(bytes, how they were found) one rank may use."""
+    if on_cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"{total / GIB:.1f} GiB of device memory"
+    from lightning_par.callbacks.memory import peak_rss_bytes
+
+    available = _mem_available()
+    runtime = peak_rss_bytes()
+    per_rank = available // max(1, ranks_here) - runtime
+    return per_rank, (f"{available / GIB:.1f} GiB of available host memory / {ranks_here} rank(s), less "
+                      f"{runtime / GIB:.2f} GiB of runtime per rank")
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def predicted_peak(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int, str] | None:
+    """(bytes, strategy name) of the configured run's predicted peak per rank, or None where the
+    estimator has no model of it (a model of unknown shape, a strategy outside the catalogue)."""
+    from lightning_par.costs.activations import Shape
+    from lightning_par.dtypes import canonical_precision
+    from lightning_par.estimate import estimate
+    from lightning_par.modes.estimate import strategy_layout
+    from lightning_par.strategies.catalog import entry_of
+
+    config, found = getattr(model, "config", None), entry_of(strategy)
+    if found is None or not all(hasattr(config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")):
+        return None
+    shape = Shape.of(config, getattr(model, "seq_len", None))
+    dims = facts.mesh_of(strategy, world)
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+    micro = facts.micro_batch_size(int(cfg.data.get("global_batch_size", world)), dims.dp, accumulate)
+    precision = canonical_precision(str(cfg.trainer.get("precision", "32-true")))
+    on_cuda = _on_cuda(cfg)
+    try:
+        est = estimate(shape, devices=dims.world_size, strategy=found.name, precision=precision,
+                       optimizer=str(cfg.model.get("optimizer", "adamw")), micro_batch_size=micro,
+                       checkpointing=bool(getattr(strategy, "activation_checkpointing", False)),
+                       device="cuda" if on_cuda else "cpu",
+                       layout_=strategy_layout(found.name, strategy, dims, dict(getattr(strategy, "tiling", None) or {})))
+    except ValueError:  # a layout the estimator does not price: nothing to check against
+        return None
+    return est.peak, found.name
+
+
+def _on_cuda(cfg: Any) -> bool:
+    acc = str(cfg.trainer.get("accelerator", "auto"))
+    return torch.cuda.is_available() and acc in ("auto", "gpu", "cuda")
+
+
+def check_memory(cfg: Any, strategy: Any, model: Any, world: int) -> None:
+    """Raise ``ConfigError`` (one line) when the predicted peak per rank exceeds what a rank has."""
+    if not bool(cfg.get("check_memory", True)):
+        return
+    predicted = predicted_peak(cfg, strategy, model, world)
+    if predicted is None:
+        return
+    peak, name = predicted
+    ranks_here = 1 if getattr(strategy, "single_process", False) else world // int(cfg.trainer.get("num_nodes", 1))
+    have, how = available_per_rank(_on_cuda(cfg), ranks_here)
+    if peak > have:
+        raise ConfigError(
+            f"strategy={name} on {world} rank(s) is predicted to need {peak / GIB:.2f} GiB per rank at its peak "
+            f"(mode=estimate) but a rank has {max(have, 0) / GIB:.2f} GiB ({how}); "
+            f"{_advice(cfg, model, world, ranks_here, have)}; check_memory=false runs it anyway")
+
+
+def _advice(cfg: Any, model: Any, world: int, ranks_here: int, have: int) -> str:
+    """The advisor's plan for this machine, as a command (or why there is none)."""
+    from lightning_par.advisor import Cluster, advise
+    from lightning_par.costs.activations import Shape
+    from lightning_par.dtypes import canonical_precision
+
+    nodes = max(1, world // max(1, ranks_here))
+    shape = Shape.of(model.config, getattr(model, "seq_len", None))
+    try:
+        advice = advise(shape, Cluster(nodes, ranks_here, max(have, 0) / GIB),
+                        precision=canonical_precision(str(cfg.trainer.get("precision", "32-true"))),
+                        optimizer=str(cfg.model.get("optimizer", "adamw")), headroom=1.0,
+                        preset=cfg.model.get("preset"))
+    except ValueError as e:
+        return f"the advisor has no plan ({e})"
+    if advice.strategy is None:
+        return "no plan the advisor knows fits this machine: add devices, shorten the sequence or the batch"
+    return f"the advisor's plan for this machine: {advice.command()}"

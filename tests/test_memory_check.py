@@ -1,0 +1,61 @@
+"""The memory check before launch (``modes/memory_check.py``): a run the estimator predicts cannot fit
+stops in one line, before any process starts, with the predicted and available figures and the
+advisor's plan for the machine; ``check_memory=false`` runs it anyway; a run that fits is not
+stopped; a rank the kernel kills is reported as such (``describe_exit``)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_par import ConfigError
+from lightning_par.modes.memory_check import available_per_rank, check_memory, predicted_peak
+from lightning_par.strategies.launcher import describe_exit
+from tests.helpers import composed, run_cli
+
+
+def _built(tmp: Path, *overrides: str):
+    from lightning_par.train import build
+
+    cfg = composed(*overrides, tmp=tmp)
+    parts = build(cfg)
+    return cfg, parts["strategy"], parts["model"]
+
+
+def test_a_model_that_cannot_fit_stops_in_one_line_before_launch(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = run_cli(["model=moe_64x_top8"], tmp_path / "run", check=False)
+    took = time.monotonic() - start
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    need, have = (float(x) for x in re.search(r"need ([\d.]+) GiB per rank.*has ([\d.]+) GiB", lines[0]).groups())
+    assert need > have and "python run.py strategy=" in lines[0] and "check_memory=false" in lines[0], lines[0]
+    assert took < 30, took  # the issue's bound: it used to be killed by the kernel after about 90 s
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_the_check_can_be_skipped_and_passes_what_fits(tmp_path: Path) -> None:
+    cfg, strategy, model = _built(tmp_path, "model=moe_64x_top8")
+    peak, name = predicted_peak(cfg, strategy, model, 1)
+    have, _ = available_per_rank(False, 1)
+    assert name == "single" and peak > have  # the same prediction mode=estimate prints for it
+    with pytest.raises(ConfigError, match="check_memory=false"):
+        check_memory(cfg, strategy, model, 1)
+    cfg.check_memory = False
+    check_memory(cfg, strategy, model, 1)  # skipped
+    cfg, strategy, model = _built(tmp_path, "experiment=quick", "strategy=zero3", "trainer.devices=2")
+    peak, name = predicted_peak(cfg, strategy, model, 2)
+    assert name == "zero3" and 0 < peak < available_per_rank(False, 2)[0]
+    check_memory(cfg, strategy, model, 2)  # fits: not stopped
+    cfg, strategy, model = _built(tmp_path, "model=hf_causal_lm")
+    assert predicted_peak(cfg, strategy, model, 1) is None  # no shape the estimator knows: not checked
+
+
+def test_a_rank_killed_by_the_kernel_is_said_so() -> None:
+    for code in (-signal.SIGKILL, 137):
+        assert "killed by the kernel" in describe_exit(code) and "out of memory" in describe_exit(code)
+    assert describe_exit(-signal.SIGTERM) == "killed by SIGTERM" and describe_exit(3) == "exit code 3"
