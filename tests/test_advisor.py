@@ -37,6 +37,8 @@ CASES = {
     # 8 x 80 GB nodes; and a small MoE that fits every device
     "moe-8x-top2-2-nodes": (["--model", "moe_8x_top2", "--nodes", "2"], "expert_parallel"),
     "moe-small-8x24": (["--model", "moe_small", "--device-memory", "24"], "ddp"),
+    # issue 23's held-out case: on one 8 x 80 GB node only ep = the world with FSDP fits beside offload
+    "moe-8x-top2-one-node": (["--model", "moe_8x_top2"], "expert_parallel"),
 }
 
 
@@ -194,6 +196,16 @@ def test_expert_parallel_beats_gathering_the_experts(answers):
     assert ep[3] == "yes" and fsdp[3] == "yes" and t["ddp"][3] == "NO" and t["expert_parallel (ep8, replicate)"][3] == "NO"
     assert float(ep[5]) < float(fsdp[5]) and float(ep[4]) < float(fsdp[4]), out
     assert "strategy.ep=8 strategy.data_parallel=fsdp" in out
+
+
+def test_expert_parallel_over_the_whole_world_is_weighed(answers):
+    """moe_8x_top2 on one 8 x 80 GB node: ep=8 takes the whole world; with FSDP the experts stay ep
+    shards and the rest is sharded over every rank (64.6 GiB). It used to be never offered, and the
+    advisor answered zero3_offload."""
+    out = answers["moe-8x-top2-one-node"]
+    t = _table(out)
+    assert t["expert_parallel (ep8, fsdp)"][3] == "yes" and t["fsdp"][3] == "NO", out
+    assert out.startswith("Recommended: expert_parallel") and "strategy.ep=8 strategy.data_parallel=fsdp" in out
 
 
 def test_replicating_a_small_moe_beats_expert_parallel(answers):

@@ -228,10 +228,10 @@ def _experts_within_a_node(f: Fleet) -> list[Option]:
              if f.n_experts % k == 0 and f.devices % k == 0)
     if ep == 1:
         return []
-    out = [Option((f"strategy.ep={ep}", "strategy.data_parallel=replicate"), {"ep": ep, "data_parallel": "replicate"})]
-    if f.devices > ep:
-        out.append(Option((f"strategy.ep={ep}", "strategy.data_parallel=fsdp"), {"ep": ep, "data_parallel": "fsdp"}))
-    return out
+    # with fsdp and ep = the world the experts stay ep shards outside FSDP and the rest is sharded over
+    # every rank (strategies/expert_parallel.py): offered too
+    return [Option((f"strategy.ep={ep}", f"strategy.data_parallel={dp}"), {"ep": ep, "data_parallel": dp})
+            for dp in ("replicate", "fsdp")]
 
 
 def _tp_within_a_node(f: Fleet) -> list[Option]:
