@@ -215,3 +215,16 @@ def test_replicating_a_small_moe_beats_expert_parallel(answers):
     t = _table(out)
     assert t["ddp"][3] == "yes" and t["expert_parallel (ep8, replicate)"][3] == "yes", out
     assert "all-to-all" in out
+
+
+def test_lightning_precision_spellings_and_bad_input() -> None:
+    """``--precision bf16`` (Lightning's short form) ended in a traceback; it is bf16-mixed. A precision
+    the estimator does not know, or an unknown model, is one argparse line (exit 2)."""
+    assert advisor(["--model", "gpt2", "--precision", "bf16", "--devices-per-node", "1", "--device-memory", "24"]) \
+        .startswith("Recommended: single")
+    for bad in (["--model", "gpt2", "--precision", "fp8"], ["--model", "no_such_model"]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2 and err.getvalue().strip().splitlines()[-1].startswith(
+            "python -m lightning_par.modes.advise: error:"), err.getvalue()

@@ -29,26 +29,43 @@ def shape_from_args(args: argparse.Namespace) -> tuple[Shape, str | None]:
     return shape, None
 
 
+def _precision(text: str) -> str:
+    """Lightning's spellings (``bf16`` -> ``bf16-mixed``), checked against the estimator's table."""
+    from lightning_par.costs.states import PRECISIONS
+    from lightning_par.dtypes import canonical_precision
+
+    name = canonical_precision(text)
+    if name not in PRECISIONS:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(PRECISIONS)}")
+    return name
+
+
 def main(argv: list[str] | None = None) -> Advice:
     ap = argparse.ArgumentParser(prog="python -m lightning_par.modes.advise",
                                  description="Strategy advisor: which strategy for this model on this cluster, "
                                              "and the command that runs it.")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a GPT preset name (see conf/model)")
-    src.add_argument("--params", type=float, help="parameter count (with --layers and --hidden)")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--hidden", type=int)
-    ap.add_argument("--heads", type=int, default=None, help="default: hidden / 128")
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--mlp-ratio", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size, else 2048")
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--devices-per-node", type=int, default=8)
-    ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device")
-    ap.add_argument("--intra-node-gbs", type=float, default=300.0, help="GB/s per device within a node")
-    ap.add_argument("--inter-node-gbs", type=float, default=25.0, help="GB/s per device between nodes")
-    ap.add_argument("--precision", default="bf16-mixed")
-    ap.add_argument("--micro-batch-size", type=int, default=1)
+    src.add_argument("--model", help="a GPT or MoE preset of conf/model (gpt2, gpt_7b, moe_8x_top2, ...)")
+    src.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (with --layers and --hidden)")
+    ap.add_argument("--layers", type=int, help="decoder layers (with --params)")
+    ap.add_argument("--hidden", type=int, help="hidden size (with --params)")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads; default: hidden / 128")
+    ap.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default: %(default)s)")
+    ap.add_argument("--mlp-ratio", type=int, default=4, help="MLP inner size / hidden (default: %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default: the preset's "
+                                                              "block_size, else 2048")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes (default: %(default)s)")
+    ap.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (default: %(default)s)")
+    ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (default: %(default)s)")
+    ap.add_argument("--intra-node-gbs", type=float, default=300.0,
+                    help="GB/s per device within a node (default: %(default)s, NVLink-class)")
+    ap.add_argument("--inter-node-gbs", type=float, default=25.0,
+                    help="GB/s per device between nodes (default: %(default)s, InfiniBand-class)")
+    ap.add_argument("--precision", default="bf16-mixed", type=_precision,
+                    help="trainer.precision, Lightning's spellings (bf16, bf16-mixed, 32, 32-true, ...; "
+                         "default: %(default)s)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per micro-batch "
+                                                                    "(default: %(default)s)")
     ap.add_argument("--no-checkpointing", action="store_true", help="assume no activation checkpointing")
     args = ap.parse_args(argv)
     try:
