@@ -1,0 +1,20 @@
+"""A newcomer's first runs (issue 22, part 7): what the README's tables suggest runs as written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import train_summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cnn_on_images_runs(tmp_path: Path) -> None:
+    """``model=cnn data=images`` (the README's table) stopped in Lightning's check that
+    ``val_check_interval`` (100) fits in one epoch (57 batches): validation now counts the whole run's
+    batches (``check_val_every_n_epoch: null``), so a short epoch is no error."""
+    s = train_summary(["model=cnn", "data=images", "trainer.max_steps=3", "trainer.enable_progress_bar=false"],
+                      tmp_path)
+    assert s["steps"] == 3 and s["final_loss"] is not None
