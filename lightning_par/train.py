@@ -27,11 +27,12 @@ import torch
 from hydra.utils import instantiate
 from lightning.fabric.connector import _PRECISION_INPUT_STR
 from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_par import ConfigError, facts
 from lightning_par.callbacks.guard import RunGuard, RunStopped
+from lightning_par.callbacks.progress import progress_bar
 from lightning_par.data.datamodules import ParDataModule
 from lightning_par.jobs import claim_run_dir, clear_failure, global_rank
 from lightning_par.parallel.contract import input_kind_of
@@ -199,6 +200,8 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
         with _restored_process_env():
             if world > 1:  # under torchrun: a fresh store namespace per restart (see parallel/elastic.py)
                 init_elastic_process_group("nccl" if _accelerator(cfg) == "cuda" else "gloo")
+            if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+                callbacks = [*callbacks, progress_bar()]  # "Epoch 0", not Lightning's "Epoch 0/-2"
             trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=parts["logger"],
                                   **trainer_kwargs)
             ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out_dir, ckpt_dirs)
@@ -211,6 +214,7 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
             summary = next((cb.summary for cb in trainer.callbacks if type(cb).__name__ == "RunSummary"), None)
         if trainer.is_global_zero:
             clear_failure(out_dir)  # e.g. left by a torchrun attempt that died before this one finished
+            print(f"run directory: {out_dir}", flush=True)
     finally:
         if lock is not None:
             lock.release()

@@ -18,3 +18,16 @@ def test_cnn_on_images_runs(tmp_path: Path) -> None:
     s = train_summary(["model=cnn", "data=images", "trainer.max_steps=3", "trainer.enable_progress_bar=false"],
                       tmp_path)
     assert s["steps"] == 3 and s["final_loss"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_progress_bar_and_run_directory(tmp_path: Path) -> None:
+    """The bar read "Epoch 0/-2" (Lightning prints max_epochs - 1, and the app trains by max_steps with
+    max_epochs=-1); the run directory was never printed. Now "Epoch 0" and a last line naming it."""
+    from tests.helpers import QUICK, run_cli
+
+    proc = run_cli([*[a for a in QUICK if "progress_bar" not in a], "trainer.max_steps=3"], tmp_path / "run")
+    out = proc.stdout + proc.stderr
+    assert "Epoch 0" in out and "/-2" not in out, out[-2000:]
+    assert f"run directory: {tmp_path / 'run'}" in proc.stdout.strip().splitlines()[-1], proc.stdout[-1000:]
