@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import logging
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -271,6 +272,21 @@ def _run(cfg: DictConfig) -> float | None:
     return summary["final_loss"] if summary else None
 
 
+def _one_log_handler() -> None:
+    """Lightning's loggers print through Hydra's handlers (console and the run's log file) only: Lightning
+    attaches a console handler of its own when it is imported before logging is configured, so each of
+    its INFO lines came out twice, once bare and once in Hydra's format."""
+    import lightning  # noqa: F401 -- its import attaches the handler (lazily imported by train otherwise)
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        log = logging.getLogger(name)
+        for handler in [h for h in log.handlers if type(h) is logging.StreamHandler]:
+            log.removeHandler(handler)
+        log.propagate = True
+    # Lightning 2.6's own use of torch 2.13's pytree API warns on every run; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def _job(cfg: DictConfig) -> float | None:
     """One job. Whatever ends it early leaves error.json in its output dir. In a sweep the failure
@@ -280,6 +296,7 @@ def _job(cfg: DictConfig) -> float | None:
     from lightning_par.jobs import hydra_job, one_line, record_failure, root_error
 
     _state["job_started"] = True
+    _one_log_handler()
     job = hydra_job()
     try:
         return _run(cfg)

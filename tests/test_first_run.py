@@ -22,12 +22,16 @@ def test_cnn_on_images_runs(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_progress_bar_and_run_directory(tmp_path: Path) -> None:
+def test_progress_bar_log_lines_and_run_directory(tmp_path: Path) -> None:
     """The bar read "Epoch 0/-2" (Lightning prints max_epochs - 1, and the app trains by max_steps with
-    max_epochs=-1); the run directory was never printed. Now "Epoch 0" and a last line naming it."""
+    max_epochs=-1); every Lightning INFO line came twice (its own handler and Hydra's); the run directory
+    was never printed. Now "Epoch 0", each line once, and a last line naming the directory."""
     from tests.helpers import QUICK, run_cli
 
     proc = run_cli([*[a for a in QUICK if "progress_bar" not in a], "trainer.max_steps=3"], tmp_path / "run")
     out = proc.stdout + proc.stderr
     assert "Epoch 0" in out and "/-2" not in out, out[-2000:]
+    # Lightning's INFO lines once (through Hydra's handlers: console and run.log), and no pytree warning
+    assert out.count("GPU available") == 1 and "GPU available" in (tmp_path / "run" / "run.log").read_text(), out
+    assert "LeafSpec" not in out, out
     assert f"run directory: {tmp_path / 'run'}" in proc.stdout.strip().splitlines()[-1], proc.stdout[-1000:]
