@@ -183,6 +183,53 @@ def check_group_choices(argv: list[str]) -> None:
         return
 
 
+def check_field_names(argv: list[str]) -> None:
+    """Reject a field the composed config does not have (``trainer.max_stpes=2``) in one line with the
+    closest name, before Hydra composes the run (Hydra's own message suggests ``+key``, which would add
+    the typo as a new key). Overrides that add (``+``), delete (``~``), name a package or touch
+    ``hydra.*`` are left to Hydra, as is any command line it cannot parse or compose."""
+    from difflib import get_close_matches
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+    from omegaconf import DictConfig
+
+    args = _hydra_args(argv)
+    if args is None or args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+        options = _option_lister(args)
+        groups, fields = [], []
+        for o in overrides:
+            key = o.key_or_group
+            if o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None or key.startswith("hydra"):
+                groups.append(o.input_line)
+            elif options(key):  # a config group: compose with its (first) choice
+                names = list(_choices(o))
+                groups.append(f"{key}={names[0]}" if names else o.input_line)
+            else:
+                fields.append(key)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = _config_loader(args).load_configuration(args.config_name or CONFIG_NAME, overrides=groups,
+                                                           run_mode=RunMode.RUN)
+    except Exception:  # noqa: BLE001 -- whatever Hydra cannot compose, Hydra reports itself
+        return
+    for key in fields:
+        node, done = cfg, []
+        for part in key.split("."):
+            if not isinstance(node, DictConfig) or part in node:
+                node = node[part] if isinstance(node, DictConfig) else None
+                done.append(part)
+                continue
+            close = get_close_matches(part, [str(k) for k in node.keys()], n=1)
+            where = ".".join(done)
+            hint = f"; did you mean {where + '.' if where else ''}{close[0]}?" if close else \
+                f"; {where or 'the config'} has: {', '.join(sorted(str(k) for k in node.keys()))}"
+            raise ConfigError(f"unknown key {key}{hint} (+{key}=... would add it as a new key)")
+
+
 def torchrun_overrides(argv: list[str], env: dict[str, str]) -> list[str]:
     """Under torchrun every rank runs this app: give them one shared run directory (named by torchrun's
     run id, stable across restarts, so a restarted run finds its checkpoints), and let only rank 0 write
@@ -324,6 +371,7 @@ def main() -> None:
     argv = sys.argv[1:]
     try:
         check_group_choices(argv)
+        check_field_names(argv)
         argv = sweep_safe_overrides(argv)
     except ConfigError as e:
         _config_failure(e)

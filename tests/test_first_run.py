@@ -35,3 +35,31 @@ def test_progress_bar_log_lines_and_run_directory(tmp_path: Path) -> None:
     assert out.count("GPU available") == 1 and "GPU available" in (tmp_path / "run" / "run.log").read_text(), out
     assert "LeafSpec" not in out, out
     assert f"run directory: {tmp_path / 'run'}" in proc.stdout.strip().splitlines()[-1], proc.stdout[-1000:]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["trainer.max_stpes=2"], "unknown key trainer.max_stpes; did you mean trainer.max_steps?"),
+    (["experiment=quick", "model.lrr=0.1"], "unknown key model.lrr; did you mean model.lr?"),
+    (["trainr.devices=2"], "unknown key trainr.devices; did you mean trainer?"),
+    (["-m", "strategy=ddp,zero1", "trainer.devicse=2"], "did you mean trainer.devices?"),
+    (["strategy=zero3", "strategy.reshard_after_forward=false"], "strategy has: _target_, activation_checkpointing"),
+])
+def test_a_field_typo_names_the_closest_key(argv, message) -> None:
+    """Hydra answered a typo with "To append to your config use +trainer.max_stpes=2" (which adds the
+    typo as a new key and runs on); now one line with the closest existing name."""
+    from lightning_par import ConfigError
+    from lightning_par.cli import check_field_names
+
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?")) as e:
+        check_field_names(argv)
+    assert "\n" not in str(e.value)
+
+
+def test_fields_that_exist_pass() -> None:
+    from lightning_par.cli import check_field_names
+
+    for argv in (["experiment=quick", "trainer.max_steps=2", "model.lr=0.01", "data.seq_len=32"],
+                 ["strategy=fsdp", "strategy.prefetch=2", "+strategy.tiling={net.head.lm_head:2}"],
+                 ["callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=5"],
+                 ["-m", "strategy=fsdp,zero3", "trainer.devices=2", "hydra.sweep.dir=/tmp/x"]):
+        check_field_names(argv)
