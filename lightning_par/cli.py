@@ -301,6 +301,9 @@ _state = {"job_started": False}
 
 
 def _run(cfg: DictConfig) -> float | None:
+    from lightning_par.config_values import check_config_values
+
+    check_config_values(cfg)  # every mode: each value's type and range, one line naming the key
     if cfg.mode == "estimate":
         from lightning_par.modes.estimate import run_estimate
 
@@ -371,8 +374,8 @@ def main() -> None:
     argv = sys.argv[1:]
     try:
         check_group_choices(argv)
+        argv = sweep_safe_overrides(argv)  # a swept option some configs lack: its own message first
         check_field_names(argv)
-        argv = sweep_safe_overrides(argv)
     except ConfigError as e:
         _config_failure(e)
     sys.argv[1:] = argv

@@ -129,6 +129,9 @@ def _restored_process_env() -> Iterator[None]:
 
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate every part of a run from its config (no processes started)."""
+    from lightning_par.config_values import check_config_values
+
+    check_config_values(cfg)  # every value's type and range (config_values.TABLE), one line naming the key
     try:
         from lightning_par.parallel.tiling import pop_tiling, set_tiling
 

@@ -189,37 +189,40 @@ def test_report_of_real_compare_dp_sweep(tmp_path):
 
 @pytest.mark.slow
 def test_failed_jobs_do_not_stop_the_sweep(tmp_path):
-    """4 jobs: two impossible global batches (ConfigError), one Lightning error (max_steps=-5) and one good
-    run. All are attempted, the good one keeps its summary, the others get error.json, the exit is nonzero."""
+    """4 jobs: two impossible global batches (ConfigError), one whose rank 1 is killed at step 3 (a
+    failure of the run, not of its config: RankDied) and one good run. All are attempted, the good one
+    keeps its summary, the others get error.json, the exit is nonzero. (A bad value such as
+    trainer.max_steps=-5 is a config error now, checked before launch.)"""
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", *QUICK, "strategy=ddp", "trainer.devices=2", "data.global_batch_size=7,8",
-                    "trainer.max_steps=12,-5", f"hydra.sweep.dir={sweep}"], sweep, timeout=400, check=False)
+                    "+callbacks.fault._target_=tests.fault.KillRankAt", "+callbacks.fault.step=1000,3",
+                    f"hydra.sweep.dir={sweep}"], sweep, timeout=400, check=False)
     assert proc.returncode != 0, proc.stderr[-3000:]
     jobs = sorted((d for d in sweep.iterdir() if d.is_dir()), key=lambda d: int(d.name))
     assert len(jobs) == 4, proc.stderr[-3000:]
     results = {}
     for d in jobs:
         o = (d / ".hydra" / "overrides.yaml").read_text()
-        key = ("7" if "global_batch_size=7" in o else "8", "-5" if "max_steps=-5" in o else "12")
+        key = ("7" if "global_batch_size=7" in o else "8", "3" if "fault.step=3" in o else "1000")
         results[key] = d
-    good = json.loads((results["8", "12"] / "summary.json").read_text())
+    good = json.loads((results["8", "1000"] / "summary.json").read_text())
     assert good["world_size"] == 2 and len(good["losses"]) == 12
-    assert not (results["8", "12"] / "error.json").exists()
-    for key in (("7", "12"), ("7", "-5")):
+    assert not (results["8", "1000"] / "error.json").exists()
+    for key in (("7", "1000"), ("7", "3")):
         err = json.loads((results[key] / "error.json").read_text())
         assert err["type"] == "ConfigError" and "global_batch_size=7" in err["error"], err
         assert "\n" not in err["error"] and "data.global_batch_size=7" in err["overrides"]
         assert not (results[key] / "summary.json").exists()
-    err = json.loads((results["8", "-5"] / "error.json").read_text())
-    assert "max_steps" in err["error"] and err["type"] != "ConfigError", err
-    assert "trainer.max_steps=-5" in err["overrides"]
+    err = json.loads((results["8", "3"] / "error.json").read_text())
+    assert err["type"] == "RankDied" and "rank 1 died" in err["error"], err
+    assert "+callbacks.fault.step=3" in err["overrides"]
 
     rep = _run_report(sweep)
     assert rep.returncode == 0, rep.stderr
     md = (sweep / "report.md").read_text()
     assert "1 run(s) with a summary, 3 failed job(s)" in md
     failed = md[md.index("## Failed jobs"):]
-    assert failed.count("ConfigError: data.global_batch_size=7") == 2 and "max_steps" in failed
+    assert failed.count("ConfigError: data.global_batch_size=7") == 2 and "rank 1 died" in failed
 
 
 @pytest.mark.slow
