@@ -220,7 +220,8 @@ def check_field_names(argv: list[str]) -> None:
         node, done = cfg, []
         for part in key.split("."):
             if not isinstance(node, DictConfig) or part in node:
-                node = node[part] if isinstance(node, DictConfig) else None
+                # the node, unresolved: ${hydra:...} cannot resolve before Hydra runs the job
+                node = node._get_node(part) if isinstance(node, DictConfig) else None
                 done.append(part)
                 continue
             close = get_close_matches(part, [str(k) for k in node.keys()], n=1)

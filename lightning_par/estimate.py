@@ -20,16 +20,17 @@ live in ``lightning_par/modes/estimate.py``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_par.costs.activations import Shape
 from lightning_par.costs.peak import Layout, step_peak
 from lightning_par.costs.states import OPTIMIZERS, PRECISIONS, bytes_per_param, check, optimizer_state_bytes
+from lightning_par.dtypes import dtype_bytes, parse_dtype
 from lightning_par.strategies.catalog import CATALOG, entry
 
 __all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "SHARDING", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
-           "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes"]
+           "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes", "strategy_layout"]
 
 GIB = 2**30
 #: the data-parallel family, the rows of the default table (the catalogue's ``family`` entries)
@@ -191,3 +192,22 @@ def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
     module = GPTModule(preset=name) if name in PRESETS else MoEModule(preset=name)
     shape = Shape.of(module.config, seq_len)
     return shape.units()["total"], shape
+
+
+def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
+    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...)."""
+    e = entry(name)
+    base = e.cost_layout(dims.world_size, tp=dims.tp, pp=dims.pp, ep=dims.ep,
+                         replicate=dims.dp_replicate if e.sharding_for(getattr(strategy, "data_parallel", None) or
+                                                                       e.defaults().get("data_parallel")).grads == "fsdp"
+                         else 1, data_parallel=getattr(strategy, "data_parallel", None))
+    pd = getattr(strategy, "param_dtype", None)  # FSDP mixed precision: bf16 gathers move 2 bytes per parameter
+    n_micro = getattr(strategy, "_n_microbatches", None)
+    return replace(base, cpu_offload=base.cpu_offload or bool(getattr(strategy, "cpu_offload", False)),
+                   prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
+                   gather_bytes=dtype_bytes(parse_dtype(pd, "param_dtype")) if pd else None,
+                   schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,
+                   virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
+                   sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
+                   loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
+                   mesh=dims.sizes())

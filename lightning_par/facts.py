@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_par import ConfigError
+from lightning_par.data.sampler import micro_batch_size  # noqa: F401 -- the one rule, a data fact
 
 
 def torchrun_world() -> tuple[int, int] | None:
@@ -57,17 +58,6 @@ def world_size(cfg: Any) -> int:
     return devices_per_node(cfg.trainer) * int(cfg.trainer.get("num_nodes", 1))
 
 
-def micro_batch_size(global_batch_size: int, dp_size: int, accumulate: int = 1) -> int:
-    """Per-rank batch of one forward/backward; errors unless it divides exactly."""
-    denom = dp_size * accumulate
-    if global_batch_size < 1 or global_batch_size % denom:
-        raise ConfigError(
-            f"data.global_batch_size={global_batch_size} is not divisible by data-parallel size {dp_size}"
-            f" x accumulate_grad_batches {accumulate} = {denom}; pick a multiple of {denom}"
-        )
-    return global_batch_size // denom
-
-
 def strategy_config(name: str, overrides: list[str] | None = None) -> Any:
     """The ``strategy=<name>`` config group as a run composes it (with ``strategy.*`` overrides)."""
     from hydra import compose, initialize_config_module
@@ -83,7 +73,7 @@ def strategy_of(strategy_cfg: Any) -> tuple[Any, dict[str, int]]:
     """(the strategy object, its tiling option) built as ``train.build`` builds them."""
     from hydra.utils import instantiate
 
-    from lightning_par.parallel.tiling import pop_tiling
+    from lightning_par.tiling_option import pop_tiling
 
     rest, tiling = pop_tiling(strategy_cfg)
     try:

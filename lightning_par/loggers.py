@@ -81,9 +81,9 @@ def run_config(cfg: DictConfig, strategy: Any = None) -> dict[str, Any]:
     if choices:
         params["choices"] = choices
     if strategy is not None and callable(getattr(strategy, "dims_for", None)):
-        from lightning_par.train import world_size_of
+        from lightning_par.facts import world_size
 
-        world = 1 if getattr(strategy, "single_process", False) else world_size_of(cfg)
+        world = 1 if getattr(strategy, "single_process", False) else world_size(cfg)
         params["world_size"] = world
         try:
             params["mesh"] = strategy.dims_for(world).sizes()
@@ -112,13 +112,3 @@ def _hydra_choices() -> dict[str, str]:
 
 
 __all__ = ["WandbLogger", "build_loggers", "log_run_config", "run_config"]
-
-
-def logs_this_step(trainer: Any) -> bool:
-    """Whether the trainer's loggers write on this step (every ``log_every_n_steps``).
-
-    Per-step values that only the loggers read are worth computing and ``self.log``-ing only then:
-    each ``log`` call runs Lightning's result bookkeeping. Lightning has no public accessor; its own ``LearningRateMonitor`` and ``ThroughputMonitor`` read this property.
-    """
-    connector = getattr(trainer, "_logger_connector", None)
-    return bool(getattr(connector, "should_update_logs", True))

@@ -102,7 +102,7 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
                 check_batch(micro, world)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    from lightning_par.modes.memory_check import check_memory
+    from lightning_par.memory_check import check_memory
 
     check_memory(cfg, strategy, model, world)  # the predicted peak against what a rank has
     return world
@@ -133,9 +133,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     check_config_values(cfg)  # every value's type and range (config_values.TABLE), one line naming the key
     try:
-        from lightning_par.parallel.tiling import pop_tiling, set_tiling
+        from lightning_par.tiling_option import pop_tiling, set_tiling
 
-        strategy_cfg, tiling = pop_tiling(cfg.strategy)  # an option of every strategy (parallel/tiling.py)
+        strategy_cfg, tiling = pop_tiling(cfg.strategy)  # an option of every strategy (tiling_option.py)
         strategy = instantiate(strategy_cfg)
         model = instantiate(cfg.model)
         datamodule = instantiate(cfg.data)

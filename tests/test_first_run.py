@@ -61,5 +61,6 @@ def test_fields_that_exist_pass() -> None:
     for argv in (["experiment=quick", "trainer.max_steps=2", "model.lr=0.01", "data.seq_len=32"],
                  ["strategy=fsdp", "strategy.prefetch=2", "+strategy.tiling={net.head.lm_head:2}"],
                  ["callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=5"],
+                 ["paths.output_dir=/tmp/x"],  # an interpolated default (${hydra:...}): not resolved to check it
                  ["-m", "strategy=fsdp,zero3", "trainer.devices=2", "hydra.sweep.dir=/tmp/x"]):
         check_field_names(argv)

@@ -41,7 +41,7 @@ def test_bad_tiling_is_one_line():
         apply_tiling(model, {"1": 2})
     with pytest.raises(ConfigError, match="has no module 'head'"):
         apply_tiling(model, {"head": 2})
-    from lightning_par.parallel.tiling import set_tiling
+    from lightning_par.tiling_option import set_tiling
     from lightning_par.strategies import SingleDeviceStrategy
 
     with pytest.raises(ConfigError, match="4 tiles must be >= 2 and divide out_features=6"):

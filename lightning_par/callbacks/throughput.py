@@ -36,7 +36,7 @@ from lightning.fabric.utilities.throughput import measure_flops
 
 from lightning_par import dtypes
 from lightning_par.devices import peak_flops_per_device
-from lightning_par.loggers import logs_this_step
+from lightning_par.logging_steps import logs_this_step
 
 
 def precision_dtype(precision: str | int) -> torch.dtype:

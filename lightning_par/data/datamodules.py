@@ -33,8 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_par import ConfigError
-from lightning_par.data.sampler import DataParallelSampler
-from lightning_par.facts import micro_batch_size  # noqa: F401 -- one rule, re-exported here
+from lightning_par.data.sampler import DataParallelSampler, micro_batch_size  # noqa: F401 -- re-exported
 
 
 class WindowDataset(Dataset):

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from lightning_par import ConfigError
+
 
 class DataParallelSampler(Sampler[int]):
     def __init__(self, n_samples: int, *, micro_batch: int, dp_rank: int = 0, dp_size: int = 1,
@@ -48,3 +50,14 @@ class DataParallelSampler(Sampler[int]):
         for t in range(self.n_micro_batches):
             base = t * self.global_micro + start
             yield from order[base : base + b].tolist()
+
+
+def micro_batch_size(global_batch_size: int, dp_size: int, accumulate: int = 1) -> int:
+    """Per-rank batch of one forward/backward; errors unless it divides exactly."""
+    denom = dp_size * accumulate
+    if global_batch_size < 1 or global_batch_size % denom:
+        raise ConfigError(
+            f"data.global_batch_size={global_batch_size} is not divisible by data-parallel size {dp_size}"
+            f" x accumulate_grad_batches {accumulate} = {denom}; pick a multiple of {denom}"
+        )
+    return global_batch_size // denom

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_par import ConfigError
 from lightning_par.models.cnn import CNN
-from lightning_par.loggers import logs_this_step
+from lightning_par.logging_steps import logs_this_step
 from lightning_par.models.gpt import GPT, PRESETS, GPTConfig
 from lightning_par.models.mlp import MLPNet
 from lightning_par.optim import (OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, schedule_config,

@@ -10,11 +10,10 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from lightning_par.costs.peak import Layout
-from lightning_par.dtypes import canonical_precision, dtype_bytes, parse_dtype
+from lightning_par.dtypes import canonical_precision
 from lightning_par.estimate import (OPTIMIZERS, PRECISIONS, STRATEGIES, estimate, estimate_table,
-                                    model_shape)
-from lightning_par.strategies.catalog import CATALOG, entry, entry_of
+                                    model_shape, strategy_layout)
+from lightning_par.strategies.catalog import CATALOG, entry_of
 
 
 def run_estimate(cfg: Any) -> str:
@@ -80,25 +79,6 @@ def run_estimate(cfg: Any) -> str:
         json.dump(record, f, indent=2)
     print(table)
     return table
-
-
-def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
-    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...)."""
-    e = entry(name)
-    base = e.cost_layout(dims.world_size, tp=dims.tp, pp=dims.pp, ep=dims.ep,
-                         replicate=dims.dp_replicate if e.sharding_for(getattr(strategy, "data_parallel", None) or
-                                                                       e.defaults().get("data_parallel")).grads == "fsdp"
-                         else 1, data_parallel=getattr(strategy, "data_parallel", None))
-    pd = getattr(strategy, "param_dtype", None)  # FSDP mixed precision: bf16 gathers move 2 bytes per parameter
-    n_micro = getattr(strategy, "_n_microbatches", None)
-    return replace(base, cpu_offload=base.cpu_offload or bool(getattr(strategy, "cpu_offload", False)),
-                   prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
-                   gather_bytes=dtype_bytes(parse_dtype(pd, "param_dtype")) if pd else None,
-                   schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,
-                   virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
-                   sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
-                   loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
-                   mesh=dims.sizes())
 
 
 def _count_params(model_cfg: Any) -> int:

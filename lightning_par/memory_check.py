@@ -51,8 +51,7 @@ def predicted_peak(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int
     estimator has no model of it (a model of unknown shape, a strategy outside the catalogue)."""
     from lightning_par.costs.activations import Shape
     from lightning_par.dtypes import canonical_precision
-    from lightning_par.estimate import estimate
-    from lightning_par.modes.estimate import strategy_layout
+    from lightning_par.estimate import estimate, strategy_layout
     from lightning_par.strategies.catalog import entry_of
 
     config, found = getattr(model, "config", None), entry_of(strategy)

@@ -1,0 +1,168 @@
+"""The package's layers (docs/architecture.md, "Layers"), read from its own imports so they cannot slip:
+every import of every module -- those inside functions too, relative ones resolved -- is an edge; the
+edges form no cycle; ``parallel/`` imports no Lightning, Hydra or OmegaConf and no lightning_par module
+above it; and every module imports only from its own layer or the layers before it. Each module of the
+package must be placed in ``LAYERS`` (a new module fails here until it is)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_par"
+
+# lowest first; a module belongs to the first entry whose prefix it starts with (longest prefix wins)
+LAYERS: dict[str, int] = {
+    # base: leaf helpers with no lightning_par import beyond each other (ConfigError, the dtype table, the
+    # device peak table, optimizer building, Lightning's logging cadence, job bookkeeping: error.json, run dirs)
+    "lightning_par": 0, "lightning_par.dtypes": 0, "lightning_par.devices": 0, "lightning_par.optim": 0,
+    "lightning_par.logging_steps": 0, "lightning_par.jobs": 0, "lightning_par.conf": 0,  # conf: the yaml, no code
+    "lightning_par.parallel": 1,  # techniques: plain torch
+    "lightning_par.strategies": 2,  # Lightning strategies, the catalogue
+    "lightning_par.models": 3,
+    "lightning_par.data": 4,
+    "lightning_par.callbacks": 5,  # measurement
+    "lightning_par.costs": 6, "lightning_par.estimate": 6, "lightning_par.advisor": 6,  # cost models
+    # entry: where config meets code (reads config nodes; validates before launch)
+    "lightning_par.facts": 7, "lightning_par.train": 7, "lightning_par.loggers": 7, "lightning_par.child": 7,
+    "lightning_par.memory_check": 7, "lightning_par.config_values": 7, "lightning_par.tiling_option": 7,
+    # the app around it: modes beside training, the command line, reports, the collectives benchmark
+    "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8,
+    "lightning_par.collectives": 8,
+}
+NAMES = {0: "base", 1: "parallel", 2: "strategies", 3: "models", 4: "data", 5: "callbacks", 6: "costs",
+         7: "entry", 8: "app"}
+PLAIN_TORCH = ("lightning", "hydra", "omegaconf", "pytorch_lightning")
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of the longest prefix in ``LAYERS`` (the package itself, ``lightning_par``, only exactly)."""
+    best = max((p for p in LAYERS if module == p or (p != "lightning_par" and module.startswith(p + "."))),
+               key=len, default=None)
+    return LAYERS[best] if best is not None else None
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """Every module ``source`` imports (top-level or inside functions), resolved to a package module
+    where it is one; other imports as their top-level name."""
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for t in targets:
+            if t.startswith("lightning_par"):
+                while t not in known and "." in t:
+                    t = t.rpartition(".")[0]
+                found.add(t)
+            elif t:
+                found.add(t.split(".")[0])
+    found.discard(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {n: imports_of(n, p.read_text(), p.name == "__init__.py", set(mods)) for n, p in mods.items()}
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    """Each broken rule, one line each."""
+    out = []
+    for mod, targets in sorted(edges.items()):
+        mine = layer_of(mod)
+        if mine is None:
+            out.append(f"{mod}: in no layer (place it in tests/test_layers.py LAYERS)")
+            continue
+        for t in sorted(targets):
+            if t.split(".")[0] in PLAIN_TORCH and mine == LAYERS["lightning_par.parallel"]:
+                out.append(f"{mod} imports {t}: parallel/ is plain torch")
+            if not t.startswith("lightning_par"):
+                continue
+            theirs = layer_of(t)
+            if theirs is not None and theirs > mine:
+                out.append(f"{mod} ({NAMES[mine]}) imports {t} ({NAMES[theirs]}): a layer above it")
+    return out
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_each_layer_imports_only_the_layers_before_it() -> None:
+    assert violations(graph()) == []
+
+
+def test_the_checks_fail_on_a_violation() -> None:
+    """A parallel/ module importing lightning_par.strategies (or Lightning) is reported, and so is a cycle."""
+    edges = graph()
+    src = "import torch\nfrom lightning_par.strategies.base import ParStrategyMixin\n\ndef f():\n    import lightning\n"
+    edges["lightning_par.parallel.bad"] = imports_of("lightning_par.parallel.bad", src, False, set(edges))
+    found = violations(edges)
+    assert "lightning_par.parallel.bad (parallel) imports lightning_par.strategies.base (strategies): a layer above it" \
+        in found and "lightning_par.parallel.bad imports lightning: parallel/ is plain torch" in found
+    edges["lightning_par.dtypes"] = edges["lightning_par.dtypes"] | {"lightning_par.train"}
+    assert any("lightning_par.dtypes" in c and "lightning_par.train" in c for c in cycles(edges))
+    edges["lightning_par.newthing"] = set()
+    assert "lightning_par.newthing: in no layer (place it in tests/test_layers.py LAYERS)" in violations(edges)
+
+
+@pytest.mark.parametrize("relative,expected", [("from . import mesh", "lightning_par.parallel.mesh"),
+                                               ("from ..strategies import base", "lightning_par.strategies.base")])
+def test_relative_imports_resolve(relative: str, expected: str) -> None:
+    assert expected in imports_of("lightning_par.parallel.x", relative, False, set(modules()))
