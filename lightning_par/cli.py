@@ -158,19 +158,32 @@ def _choices(override) -> Iterable[str]:
     return [override.get_value_element_as_str()]
 
 
-def check_group_choices(argv: list[str]) -> None:
-    """Reject an unknown config name (``strategy=zer3``) in one line, listing the choices from every
-    search path, before Hydra composes anything; a sweep (``strategy=ddp,zero1``) is checked value by value.
-    Command lines Hydra cannot parse are left to Hydra, which reports them itself."""
+def _parsed_overrides(argv: list[str]):
+    """(Hydra's args, the parsed overrides, the group-options lister) of a command line to check; None
+    for --help/--info and for what Hydra cannot parse (Hydra then says why itself)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     args = _hydra_args(argv)
     if args is None or args.help or args.hydra_help or args.info or args.shell_completion:
-        return
+        return None
     try:
-        overrides = OverridesParser.create().parse_overrides(args.overrides)
-        options = _option_lister(args)
+        return args, OverridesParser.create().parse_overrides(args.overrides), _option_lister(args)
+    except HydraException:
+        return None
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Reject an unknown config name (``strategy=zer3``) in one line, listing the choices from every
+    search path, before Hydra composes anything; a sweep (``strategy=ddp,zero1``) is checked value by value.
+    Command lines Hydra cannot parse are left to Hydra, which reports them itself."""
+    from hydra.errors import HydraException
+
+    parsed = _parsed_overrides(argv)
+    if parsed is None:
+        return
+    _, overrides, options = parsed
+    try:
         for o in overrides:
             names = _choices(o)
             known = options(o.key_or_group) if names else []
@@ -190,16 +203,14 @@ def check_field_names(argv: list[str]) -> None:
     ``hydra.*`` are left to Hydra, as is any command line it cannot parse or compose."""
     from difflib import get_close_matches
 
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
     from omegaconf import DictConfig
 
-    args = _hydra_args(argv)
-    if args is None or args.help or args.hydra_help or args.info or args.shell_completion:
+    parsed = _parsed_overrides(argv)
+    if parsed is None:
         return
+    args, overrides, options = parsed
     try:
-        overrides = OverridesParser.create().parse_overrides(args.overrides)
-        options = _option_lister(args)
         groups, fields = [], []
         for o in overrides:
             key = o.key_or_group
