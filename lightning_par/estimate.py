@@ -29,19 +29,12 @@ from lightning_par.costs.states import OPTIMIZERS, PRECISIONS, bytes_per_param, 
 from lightning_par.dtypes import dtype_bytes, parse_dtype
 from lightning_par.strategies.catalog import CATALOG, entry
 
-__all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "SHARDING", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
+__all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
            "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes", "strategy_layout"]
 
 GIB = 2**30
 #: the data-parallel family, the rows of the default table (the catalogue's ``family`` entries)
 STRATEGIES = tuple(e.name for e in CATALOG if e.family)
-#: what each strategy (its config group name) shards and how it holds gradients (costs/peak.py),
-#: from the catalogue: (params sharded, optimizer state sharded, gradient mode, offload) with
-#: ``data_parallel`` at its default
-SHARDING: dict[str, tuple[bool, bool, str, bool]] = {
-    e.name: (lambda sh: (sh.params, sh.optimizer, sh.grads, sh.cpu_offload))(e.sharding_for(e.defaults().get(
-        "data_parallel"))) for e in CATALOG}
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_par import ConfigError, facts
 from lightning_par.callbacks.guard import RunGuard, RunStopped
 from lightning_par.callbacks.progress import progress_bar
+from lightning_par.memory_check import check_memory
 from lightning_par.data.datamodules import ParDataModule
 from lightning_par.jobs import claim_run_dir, clear_failure, global_rank
 from lightning_par.parallel.contract import input_kind_of
@@ -102,9 +103,6 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
                 check_batch(micro, world)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    from lightning_par.memory_check import check_memory
-
-    check_memory(cfg, strategy, model, world)  # the predicted peak against what a rank has
     return world
 
 
@@ -173,6 +171,8 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     parts = build(cfg)
     strategy = parts["strategy"]
     world = validate(cfg, strategy, parts["model"], parts["datamodule"])
+    if not child and global_rank() == 0:  # once, where the run is launched: ranks see each other's memory
+        check_memory(cfg, strategy, parts["model"], world)  # the predicted peak against what a rank has
     if getattr(strategy, "single_process", False) and launched_externally() and global_rank() > 0:
         return None  # srun/torchrun started several tasks for a one-process strategy: rank 0 trains alone
     # lightning_par's data modules split the data along the strategy's data-parallel axis themselves;

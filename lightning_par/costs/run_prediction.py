@@ -73,8 +73,7 @@ def predict(trainer: L.Trainer, pl_module: L.LightningModule,
     pipelined = getattr(strategy, "pipelined", False) or pp > 1
     schedule = str(getattr(strategy, "schedule", "1f1b"))
     n_micro = strategy.n_microbatches_for(pp) if pipelined and hasattr(strategy, "n_microbatches_for") else 1
-    virtual = getattr(strategy, "virtual_stages", None) or \
-        (2 if schedule in ("interleaved_1f1b", "zb", "zbv") else 1)
+    virtual = getattr(strategy, "virtual_stages", None) or 1  # the mesh strategies resolve their default
     config = getattr(pl_module, "config", None)
     shape = comm_shape(config, batch[0] // n_micro, batch[1]) if batch and config is not None else None
     precision = dtypes.precision(dtypes.canonical_precision(str(trainer.precision)))
