@@ -321,6 +321,7 @@ CHECKED_ELSEWHERE: dict[str, str] = {
     "model.gating": "models.moe.MoEConfig (GATINGS)",
     "model.arch": "models.hf.hf_config (ARCHS)",
     "model.attn_implementation": "models.hf.hf_config (ATTENTION)",
+    "model.pretrained": "models.pretrained (the directory and its tensors, checked against its config)",
     "model.config.**": "transformers' own config (free-form fields)",
     "scheduler.name": "optim.ScheduleConfig (SCHEDULES)",
     "scheduler.lr_scaling": "optim.ScheduleConfig (LR_SCALING)",

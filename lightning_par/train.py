@@ -141,7 +141,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             model.configure_model()  # so the checks before launch see the architecture
     except Exception as e:  # hydra wraps constructor errors; show the cause in one line
         cause = e.__cause__ or e
-        raise ConfigError(f"{type(cause).__name__}: {cause}") from None
+        raise ConfigError(str(cause) if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {cause}") from None
     set_compile(strategy, cfg.get("compile", False))
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     from lightning_par.loggers import build_loggers, log_run_config

@@ -6,7 +6,7 @@ architecture (``lightning_par.models.gpt``) do not pay for importing Lightning.
 
 from lightning_par.parallel.contract import ParallelPlan
 
-__all__ = ["CNNModule", "GPTModule", "MLPModule", "MoEModule", "ParModule", "ParallelPlan"]
+__all__ = ["CNNModule", "GPTModule", "MLPModule", "MoEModule", "ParModule", "ParallelPlan", "from_pretrained"]
 
 
 def __getattr__(name: str):
@@ -14,6 +14,10 @@ def __getattr__(name: str):
         from lightning_par.models import module
 
         return getattr(module, name)
+    if name == "from_pretrained":  # a Hugging Face checkpoint the strategy fills shard by shard
+        from lightning_par.models.pretrained import from_pretrained
+
+        return from_pretrained
     if name == "MoEModule":
         from lightning_par.models.moe_module import MoEModule
 

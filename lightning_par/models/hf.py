@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_par.models.module import ParModule
+from lightning_par.models.pretrained import build_pretrained, check_pretrained, pretrained_config
 from lightning_par.parallel.contract import ParallelPlan
 from lightning_par.parallel.hf_plan import (
     check_tied,
@@ -32,6 +33,7 @@ from lightning_par.parallel.hf_plan import (
     hf_parallel_plan,
     tag_paths,
 )
+from lightning_par.parallel.pretrained import SafetensorsWeights
 
 ARCHS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "gemma3_text")
 ATTENTION = ("sdpa", "eager")
@@ -97,6 +99,10 @@ class HFCausalLM(ParModule):
         max_positions: longest sequence the model accepts (at least ``seq_len``).
         tie_word_embeddings: share the input embedding with the output projection.
         seq_len: training sequence length (for ``example_input``).
+        pretrained: a local ``save_pretrained`` directory: the architecture and every size come from
+            its ``config.json`` (``arch`` .. ``tie_word_embeddings`` are then not used) and the weights
+            from its safetensors files, each rank reading only its shards (``models/pretrained.py``).
+            Dropout stays off; ``config`` still sets further fields.
         attn_implementation: ``sdpa`` (default) or ``eager`` (also accepted inside ``config``).
         config: further ``transformers`` config fields (e.g. ``rope_theta``, ``sliding_window``).
         optimizer, lr, weight_decay, betas, momentum: as ``ParModule``.
@@ -107,17 +113,31 @@ class HFCausalLM(ParModule):
     def __init__(self, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
                  kv_heads: int | None = None, intermediate: int | None = None, vocab: int = 256,
                  max_positions: int = 128, tie_word_embeddings: bool = False, seq_len: int | None = None,
-                 config: dict | None = None, attn_implementation: str = "sdpa", **kwargs: Any) -> None:
+                 config: dict | None = None, attn_implementation: str = "sdpa", pretrained: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.save_hyperparameters()
+        self.pretrained = str(pretrained) if pretrained else None
+        if self.pretrained:  # architecture and sizes from the checkpoint; checked against its tensors now
+            extra = dict(config or {})
+            attn = extra.pop("attn_implementation", None) or attn_implementation
+            self.hf_config = pretrained_config(self.pretrained, attn_implementation=attn, **extra)
+            max_positions = _max_positions(self.hf_config) or seq_len or max_positions
+            check_pretrained(self.build_hf("meta"), SafetensorsWeights(self.pretrained))
         self.seq_len = seq_len or max_positions
         if self.seq_len > max_positions:
             raise ValueError(f"HFCausalLM: seq_len={self.seq_len} exceeds max_positions={max_positions}")
-        self.hf_config = hf_config(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                                   intermediate=intermediate, vocab=vocab, max_positions=max_positions,
-                                   tie_word_embeddings=tie_word_embeddings, attn_implementation=attn_implementation,
-                                   **dict(config or {}))
+        if not self.pretrained:
+            self.hf_config = hf_config(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                       intermediate=intermediate, vocab=vocab, max_positions=max_positions,
+                                       tie_word_embeddings=tie_word_embeddings, attn_implementation=attn_implementation,
+                                       **dict(config or {}))
         self._plan: ParallelPlan | None = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The transformers config rides in the checkpoint: ``lightning-par-export`` writes it back."""
+        checkpoint["hf_config"] = self.hf_config.to_dict()
+        checkpoint["hf_module_prefix"] = "net."
 
     # ------------------------------------------------------------------------ building
     def build_net(self, device: torch.device | str = "meta") -> nn.Module:
@@ -129,7 +149,9 @@ class HFCausalLM(ParModule):
         auto = _transformers().AutoModelForCausalLM
         device = torch.device(device)
         attn = self.hf_config._attn_implementation
-        if device.type == "meta":
+        if self.pretrained:  # meta: marked for the strategy to fill from the checkpoint; else loaded whole
+            net = build_pretrained(self.hf_config, self.pretrained, device, check=False)
+        elif device.type == "meta":
             with torch.device("meta"):
                 net = auto.from_config(self.hf_config, attn_implementation=attn)
         else:
@@ -200,6 +222,13 @@ class LogitsOnly(nn.Module):
             t = x.shape[1]
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], 1, t, t)
         return self.net(input_ids=x, attention_mask=mask, use_cache=False).logits
+
+
+def _max_positions(cfg: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(getattr(cfg, key, None), int):
+            return getattr(cfg, key)
+    return None
 
 
 def _current_device() -> torch.device:

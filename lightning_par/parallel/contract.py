@@ -17,6 +17,9 @@ knowledge that cannot be read off the module:
   (not its children's). Used to materialise a model built on the meta device: the strategies
   build each init group of the full model on the host, call this on every submodule of it, and
   keep only the local shard. Without it, each submodule's ``reset_parameters()`` is used.
+- ``_lp_pretrained = Pretrained(directory)`` on any submodule (set by ``lightning_par.from_pretrained``
+  and ``HFCausalLM(pretrained=...)``): that submodule's weights come from a ``save_pretrained``
+  directory, each rank reading only its shards (``parallel/pretrained.py``), not from its init.
 
 Strategies query a model only through the accessor functions below (no ``getattr`` probing
 elsewhere), so what a model may declare is written down once.
@@ -70,6 +73,28 @@ class ParallelPlan:
             tp_plan={p + k: v for k, v in self.tp_plan.items()},
             experts=tuple(p + x for x in self.experts),
         )
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """A submodule's state-dict keys (relative to it) are read from ``directory`` (``config.json`` +
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``, as ``save_pretrained`` writes)."""
+
+    directory: str
+
+
+PRETRAINED_ATTR = "_lp_pretrained"
+
+
+def mark_pretrained(module: nn.Module, directory: str) -> nn.Module:
+    setattr(module, PRETRAINED_ATTR, Pretrained(str(directory)))
+    return module
+
+
+def pretrained_of(module: nn.Module) -> dict[str, Pretrained]:
+    """Module path (``""``: the root) -> the pretrained directory its weights come from."""
+    return {path: getattr(sub, PRETRAINED_ATTR) for path, sub in module.named_modules()
+            if isinstance(getattr(sub, PRETRAINED_ATTR, None), Pretrained)}
 
 
 @runtime_checkable

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_par.parallel.init_trace import InitTrace, TensorRef
+from lightning_par.parallel.pretrained import WeightRef, WeightsError, WeightSources
 from lightning_par.parallel.ties import retie, tied_parameters
 from lightning_par.parallel.tiling import tile_sources
 
@@ -87,7 +88,8 @@ def default_init(module: nn.Module) -> None:
 @torch.no_grad()
 def materialize(module: nn.Module, *, device: torch.device, templates: dict[str, nn.Module], seed: int,
                 init_fn: InitFn | None = None, param_device: torch.device | None = None,
-                trace: InitTrace | None = None, refs: dict[str, TensorRef] | None = None) -> int:
+                trace: InitTrace | None = None, refs: dict[str, TensorRef] | None = None,
+                weights: WeightSources | None = None) -> int:
     """Allocate ``module``'s local tensors on ``device`` and fill them from the seeded group inits.
 
     ``module`` may be sharded (FSDP2, DTensor TP) or hold only some groups (a pipeline rank);
@@ -101,6 +103,10 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
     model without a declared init, or for what the declared init leaves unset; else the submodules'
     ``reset_parameters()``. A host tensor starts filled with a sentinel (NaN), so a tensor that no
     init sets and no recorded constructor call made is an error naming it, never garbage.
+
+    ``weights`` (pretrained checkpoints, ``WeightSources``) overrides all of these for the tensors it
+    holds: each local tensor is read as its slice of the checkpoint's tensor, and a group whose
+    tensors all come from it is never built on the host.
     """
     declared = init_fn is not None
     init = init_fn or default_init
@@ -122,6 +128,22 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
         names = [prefix + n for n, _ in [*template.named_parameters(), *template.named_buffers()]]
         if not any(n in targets or n in pieces for n in names):
             continue  # lives on another pipeline rank
+        loaded = {n: src for n in names if weights is not None and (src := weights.find(n)) is not None}
+        shapes = {prefix + n: t.shape for n, t in [*template.named_parameters(), *template.named_buffers()]}
+        for key, ref in loaded.items():
+            if ref.shape != shapes[key]:
+                raise WeightsError(f"pretrained weights: {ref.weights.directory}: {ref.key} has shape "
+                                   f"{tuple(ref.shape)}, the model's {key} has {tuple(shapes[key])}")
+        for key in loaded:
+            if key in targets:
+                _copy_local(targets[key], loaded[key])
+                filled.add(key)
+            for piece, rows in pieces.get(key, ()):
+                if piece in targets:
+                    _copy_local(targets[piece], loaded[key], rows)
+                    filled.add(piece)
+        if len(loaded) == len(names):
+            continue  # every tensor of the group came from the checkpoint: nothing to initialise
         host = template.to_empty(device="cpu")
         for t in [*host.parameters(), *host.buffers()]:
             _fill_sentinel(t)
@@ -130,10 +152,12 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
             for sub in host.modules():
                 init(sub)
             wanted = {prefix + n: t for n, t in [*host.named_parameters(), *host.named_buffers()]
-                      if not declared or _unset(t)}
+                      if prefix + n not in loaded and (not declared or _unset(t))}
             recorded = trace.replay({k: refs[k] for k in wanted if k in refs}) if trace and refs else {}
         for name, full in [*host.named_parameters(), *host.named_buffers()]:
             key = prefix + name
+            if key in loaded:
+                continue
             if key in recorded:
                 full = recorded[key]
             elif _unset(full):
@@ -146,7 +170,7 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
                 filled.add(key)
             for piece, rows in pieces.get(key, ()):
                 if piece in targets:
-                    _copy_local(targets[piece], full[rows])
+                    _copy_local(targets[piece], full, rows)
                     filled.add(piece)
         host = full = None  # drop the last references before trimming
         templates[path] = template.to("meta")  # release the host copy
@@ -173,16 +197,24 @@ def _unset(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).min).all())
 
 
-def _copy_local(target: torch.Tensor, full: torch.Tensor) -> None:
+def _copy_local(target: torch.Tensor, full: torch.Tensor | WeightRef, rows: slice | None = None) -> None:
+    """Copy ``target``'s local piece of ``full`` (``rows`` of it: a tile's block), where ``full`` is a
+    host tensor or a checkpoint tensor read lazily (only the piece is read)."""
+    lead = (rows,) if rows is not None else ()
     if not isinstance(target, DTensor):
-        target.copy_(full)
+        target.copy_(full[lead] if lead else full[()] if isinstance(full, WeightRef) else full)
     elif all(isinstance(p, (Shard, Replicate)) for p in target.placements):
         # the local piece is one block of the full tensor: copy it from a view, no intermediate copy
-        shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
-        view = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        target.to_local().copy_(view)
+        shape = full.shape if rows is None else (rows.stop - rows.start, *full.shape[1:])
+        local, offset = compute_local_shape_and_global_offset(torch.Size(shape), target.device_mesh,
+                                                              target.placements)
+        index = [slice(o, o + n) for o, n in zip(offset, local)]
+        if rows is not None:
+            index[0] = slice(rows.start + index[0].start, rows.start + index[0].stop)
+        target.to_local().copy_(full[tuple(index)])
     else:  # strided shards (FSDP over a TP-sharded dim): DTensor knows the layout
-        piece = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        whole = full[lead] if lead else full[()] if isinstance(full, WeightRef) else full
+        piece = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(piece.to_local())
 
 

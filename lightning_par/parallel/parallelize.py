@@ -18,7 +18,8 @@ meta** to **materialise**; each is marked with its name in the code below:
 - **fully shard**: FSDP2 ``fully_shard`` (the expert modules over their own data axis -- or, with
   none beside ep, left out of FSDP -- then units, then the stage/model root);
 - **materialise**: allocate only this rank's local tensors and fill them with the model's own,
-  layout-independent initialisation.
+  layout-independent initialisation -- or, for a model declaring pretrained weights, with this
+  rank's slices of the checkpoint (``pretrained.py``).
 
 **wrap DDP** and **build optimizer** come after, in the strategy (Lightning's DDP wrapper broadcasts
 rank 0's parameters when it is built, so it needs materialised parameters; optimizers need the final
@@ -43,6 +44,7 @@ from lightning_par.parallel.expert_parallel import apply_expert_parallel, shard_
 from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
 from lightning_par.parallel.init_trace import InitTrace, tensor_refs
 from lightning_par.parallel.materialize import InitFn, capture_templates, has_meta_tensors, materialize
+from lightning_par.parallel.pretrained import weight_sources
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_par.parallel.tiling import apply_tiling
 
@@ -127,6 +129,7 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
     # build on meta (done by the strategy): remember how to initialise what was built
     templates = capture_templates(module, init_groups(module, plan.blocks)) if deferred else None
     refs = tensor_refs(module) if deferred and spec.init_trace is not None else None
+    weights = weight_sources(module) if deferred else None  # pretrained checkpoints, opened before any technique
     if not deferred:
         module.to(spec.device)
 
@@ -177,7 +180,8 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
     if templates is not None:                                                            # materialise
         offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn,
-                        param_device=torch.device("cpu") if offload else None, trace=spec.init_trace, refs=refs)
+                        param_device=torch.device("cpu") if offload else None, trace=spec.init_trace, refs=refs,
+                        weights=weights)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
     return stages
 

@@ -1,0 +1,119 @@
+"""``from_pretrained(DIR)``: a Hugging Face causal LM from a local ``save_pretrained`` directory that the
+strategy fills shard by shard.
+
+Inside ``configure_model`` under a lightning_par strategy (the meta device), it returns the model
+built from ``DIR/config.json`` on the meta device and marked ``Pretrained(DIR)``: after the strategy
+has cut, split and sharded it, materialisation reads each rank's slices of the safetensors files
+(``parallel/pretrained.py``), so no rank holds the full model. Anywhere else (a real device: a
+plain Trainer, a notebook) it is transformers' own ``from_pretrained``. Either way the checkpoint is
+checked against the config first (every tensor present, of the config's shape, none left over),
+with one line naming the path when it is not.
+
+transformers' own ``AutoModelForCausalLM.from_pretrained`` refuses to run under a meta device
+context; this is the call to use in ``configure_model``::
+
+    def configure_model(self):
+        if self.net is None:
+            self.net = lightning_par.models.from_pretrained("checkpoints/llama-1b")
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_par.parallel.contract import mark_pretrained
+from lightning_par.parallel.pretrained import SafetensorsWeights, WeightsError, check_weights
+from lightning_par.parallel.ties import tied_parameters
+
+_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
+                 "summary_first_dropout", "dropout", "activation_dropout")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("pretrained models need transformers: pip install lightning_par[hf]") from None
+    return transformers
+
+
+def pretrained_config(directory: str | Path, *, attn_implementation: str | None = None, dropout: bool = False,
+                      **overrides: Any) -> Any:
+    """``DIR/config.json`` as a causal-LM config (one line if it is not one), without dropout unless
+    ``dropout``, no KV cache, then ``overrides`` (config fields)."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        what = "is not a directory" if not directory.is_dir() else "has no config.json"
+        raise WeightsError(f"pretrained model: {directory} {what} (expected a save_pretrained directory)")
+    transformers = _transformers()
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's validators raise their own types
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise WeightsError(f"pretrained model: {directory}/config.json cannot be read ({why[:300]})") from None
+    if type(cfg) not in transformers.AutoModelForCausalLM._model_mapping:
+        raise WeightsError(f"pretrained model: {directory} is a {cfg.model_type!r} model, which "
+                           "AutoModelForCausalLM does not know as a causal language model")
+    if not dropout:
+        for key in _DROPOUT_KEYS:
+            if isinstance(getattr(cfg, key, None), float):
+                setattr(cfg, key, 0.0)
+    cfg.use_cache = False
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    if attn_implementation is not None:
+        cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def check_pretrained(net: nn.Module, weights: SafetensorsWeights) -> None:
+    """One line unless ``weights`` holds every parameter of the (meta) model ``net`` in its shape."""
+    params = {name: tuple(p.shape) for name, p in net.named_parameters()}  # a tied one under its first name
+    aliases = {other: first for first, other in tied_parameters(net)}
+    check_weights(params, weights, aliases, optional=[name for name, _ in net.named_buffers()])
+
+
+def build_pretrained(cfg: Any, directory: str | Path, device: torch.device | str | None = None, *,
+                     check: bool = True) -> nn.Module:
+    """The model of ``cfg`` with the weights of ``directory``: on the meta device, marked for the
+    strategy to fill; on a real device, loaded by transformers. The checkpoint is checked first
+    (``check=False``: it was already)."""
+    auto = _transformers().AutoModelForCausalLM
+    device = torch.device(device) if device is not None else _current_device()
+    with torch.device("meta"):
+        meta = auto.from_config(cfg, attn_implementation=cfg._attn_implementation)
+    if check:
+        check_pretrained(meta, SafetensorsWeights(directory))
+    if device.type == "meta":
+        return mark_pretrained(meta, str(directory))
+    net = auto.from_pretrained(str(directory), config=cfg, dtype=torch.get_default_dtype(), local_files_only=True,
+                               attn_implementation=cfg._attn_implementation)
+    return net.to(device)
+
+
+def from_pretrained(directory: str | Path, *, attn_implementation: str = "sdpa", dropout: bool = False,
+                    **config: Any) -> nn.Module:
+    """A causal LM with the weights of the local ``save_pretrained`` directory ``directory``.
+
+    Under a lightning_par strategy (inside ``configure_model``: the meta device) the model is built
+    on meta and each rank later reads only its shards; elsewhere it is loaded whole by transformers.
+    Dropout is off unless ``dropout=True`` (runs are then deterministic); ``config`` sets further
+    config fields (``rope_theta=...``). One line (``WeightsError``) for a directory that is not a
+    causal LM's checkpoint or whose tensors do not match its config."""
+    cfg = pretrained_config(directory, attn_implementation=attn_implementation, dropout=dropout, **config)
+    return build_pretrained(cfg, directory)
+
+
+def _current_device() -> torch.device:
+    """The device new tensors go to now (a ``torch.device`` context, e.g. meta, or the default)."""
+    with contextlib.suppress(Exception):
+        return torch.empty(()).device
+    return torch.device("cpu")
+
+
+__all__ = ["build_pretrained", "check_pretrained", "from_pretrained", "pretrained_config"]

@@ -1,0 +1,178 @@
+"""Pretrained weights read shard by shard from a ``save_pretrained`` directory.
+
+A model built on the meta device may declare ``contract.Pretrained(directory)`` (``pretrained_of``):
+materialisation (``materialize.py``) then fills each rank's *local* tensors -- its FSDP shard, its
+TP slice, its pipeline stage's layers, its tiles -- from the checkpoint's safetensors files instead
+of the model's initialisation, reading only the slice the rank holds. No rank ever holds the full
+model: a rank's setup peak is its shards plus at most one full tensor (only for a strided layout,
+FSDP over a TP-split dimension, which is read whole and sliced by DTensor).
+
+Reading uses safetensors' own lazy slicing (``safe_open(...).get_slice(key)[slices]``: the file is
+memory-mapped and only the requested bytes are touched). ``torch.distributed.checkpoint``'s
+Hugging Face reader would also do, but it plans a collective load of a whole state dict, while
+materialisation fills one init group at a time, ranks independently.
+
+Layer 1 (plain torch): every error is one line naming the path (``WeightsError``, a ``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from lightning_par import ConfigError
+
+from lightning_par.parallel.contract import pretrained_of
+from lightning_par.parallel.ties import tied_parameters
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class WeightsError(ConfigError):
+    """A pretrained directory that cannot be read as asked (one line, naming the path)."""
+
+
+class SafetensorsWeights:
+    """The tensors of one ``save_pretrained`` directory: names, shapes, and slices read lazily."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        listed = _weight_files(self.directory)  # key -> file (the index's map; {"": file} without one)
+        self._handles: dict[Path, object] = {}
+        self._files: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(listed.values())):
+            handle = self._open(file)
+            for key in handle.keys():
+                self._shapes.setdefault(key, tuple(handle.get_slice(key).get_shape()))
+                self._files.setdefault(key, file)
+        missing = [k for k in listed if k and k not in self._shapes]
+        if missing:
+            raise WeightsError(f"{self.directory / INDEX_NAME}: lists {missing[0]} in {listed[missing[0]].name}, "
+                               "which does not hold it")
+
+    def _open(self, file: Path) -> object:
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            if not file.is_file():
+                raise WeightsError(f"pretrained weights: shard file {file} is missing")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise WeightsError(f"pretrained weights: {file} is not a readable safetensors file ({first})") from None
+        return self._handles[file]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._shapes
+
+    def keys(self) -> Iterable[str]:
+        return self._shapes.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """``key``'s tensor, or only ``index`` of it (one slice per leading dimension)."""
+        piece = self._open(self._files[key]).get_slice(key)
+        try:
+            return piece[index] if index else piece[:]
+        except Exception as e:  # noqa: BLE001 - a truncated file fails here, not at open
+            raise WeightsError(f"pretrained weights: cannot read {key} from {self._files[key]} ({e})") from None
+
+
+class WeightRef:
+    """One checkpoint tensor, read only where indexed: ``ref[()]`` is all of it, ``ref[slices]`` a block."""
+
+    def __init__(self, weights: SafetensorsWeights, key: str) -> None:
+        self.weights, self.key = weights, key
+        self.shape = torch.Size(weights.shape(key))
+
+    def __getitem__(self, index: tuple[slice, ...] | slice) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        return self.weights.read(self.key, index)
+
+
+class WeightSources:
+    """Every pretrained declaration of a model (``contract.pretrained_of``), opened, with the tied
+    names (a tied head is saved once, under the name it shares) -- taken before any technique."""
+
+    def __init__(self, sources: Mapping[str, SafetensorsWeights], aliases: Mapping[str, str]) -> None:
+        self.sources = dict(sources)  # module path prefix ("" or "net.") -> its checkpoint
+        self.aliases = dict(aliases)  # full tensor name -> the full name it shares a Parameter with
+
+    def find(self, name: str) -> WeightRef | None:
+        """The checkpoint tensor for the model's tensor ``name`` (canonical, full path), or None."""
+        for candidate in (name, self.aliases.get(name)):
+            for prefix, weights in self.sources.items():
+                if candidate is not None and candidate.startswith(prefix) and candidate[len(prefix):] in weights:
+                    return WeightRef(weights, candidate[len(prefix):])
+        return None
+
+    def __bool__(self) -> bool:
+        return bool(self.sources)
+
+
+def weight_sources(module: torch.nn.Module) -> WeightSources | None:
+    """The pretrained checkpoints ``module`` declares, opened (None if it declares none). Call it
+    before any technique: tensor names are then the plain module paths."""
+    declared = pretrained_of(module)
+    if not declared:
+        return None
+    sources = {(f"{path}." if path else ""): SafetensorsWeights(p.directory) for path, p in declared.items()}
+    aliases = {}
+    for first, other in tied_parameters(module):
+        aliases[other] = first
+        aliases.setdefault(first, other)
+    return WeightSources(sources, aliases)
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Key -> safetensors file of a ``save_pretrained`` directory (one line if it is not one)."""
+    if not directory.is_dir():
+        raise WeightsError(f"pretrained weights: {directory} is not a directory")
+    index = directory / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, Mapping)
+        except (ValueError, KeyError, AssertionError):
+            raise WeightsError(f"pretrained weights: {index} is not a safetensors index (no weight_map)") from None
+        return {str(k): directory / str(v) for k, v in weight_map.items()}
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return {"": single}  # keys come from the file itself
+    others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
+    hint = f" (found {others[0]}: re-save it with save_pretrained(safe_serialization=True))" if others else ""
+    raise WeightsError(f"pretrained weights: {directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
+
+
+def check_weights(expected: Mapping[str, tuple[int, ...]], weights: SafetensorsWeights,
+                  aliases: Mapping[str, str] | None = None, optional: Iterable[str] = ()) -> None:
+    """One line if ``weights`` cannot fill a model whose parameters are ``expected`` (name -> shape): a
+    parameter it lacks (a tied one may be saved under either name: ``aliases`` maps one to the
+    other), one of another shape, or a tensor the model has no place for (another architecture's
+    checkpoint). ``optional`` names tensors it may hold or not (buffers: their init makes them)."""
+    partner = dict(aliases or {})
+    partner.update({v: k for k, v in partner.items()})
+    for key, shape in expected.items():
+        name = key if key in weights else partner.get(key, key)
+        if name not in weights:
+            raise WeightsError(f"pretrained weights: {weights.directory} has no tensor {key} "
+                               "(a checkpoint of another architecture or size?)")
+        if tuple(weights.shape(name)) != tuple(shape):
+            raise WeightsError(f"pretrained weights: {weights.directory}: {name} has shape "
+                               f"{tuple(weights.shape(name))}, the model's config gives {tuple(shape)}")
+    known = {*expected, *partner, *optional}
+    unused = [k for k in weights.keys() if k not in known]
+    if unused:
+        raise WeightsError(f"pretrained weights: {weights.directory} holds {unused[0]} (and {len(unused) - 1} more), "
+                           "which the model built from its config.json does not have")
+
+
+__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "SafetensorsWeights", "WeightRef", "WeightSources", "WeightsError", "check_weights", "weight_sources"]
