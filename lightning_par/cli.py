@@ -346,6 +346,9 @@ def _one_log_handler() -> None:
             log.removeHandler(handler)
         log.propagate = True
     # Lightning 2.6's own use of torch 2.13's pytree API warns on every run; nothing a user can act on
+    from lightning_par.jobs import quiet_third_party_logs
+
+    quiet_third_party_logs()
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 

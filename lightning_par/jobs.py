@@ -23,6 +23,20 @@ ERROR_FILE = "error.json"
 _RANK_ENV = ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
 
 
+#: loggers of optional packages that warn at import about what a user cannot act on: torchao (imported by
+#: transformers when installed) about CUDA kernels a CPU wheel lacks and, through torch's pytree, about
+#: registering its enums
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party_logs() -> None:
+    """Only errors from ``QUIET_LOGGERS``: a command's first screen is ours, not import noise."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def global_rank() -> int:
     """This process's global rank from the launcher's environment (0 when none is set)."""
     for key in _RANK_ENV:

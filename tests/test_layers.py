@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     "lightning_par.facts": 7, "lightning_par.train": 7, "lightning_par.loggers": 7, "lightning_par.child": 7,
     "lightning_par.memory_check": 7, "lightning_par.config_values": 7, "lightning_par.tiling_option": 7,
     # the app around it: modes beside training, the command line, reports, the collectives benchmark
-    "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8,
+    "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8, "lightning_par.export": 8,
     "lightning_par.collectives": 8,
 }
 NAMES = {0: "base", 1: "parallel", 2: "strategies", 3: "models", 4: "data", 5: "callbacks", 6: "costs",

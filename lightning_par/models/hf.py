@@ -134,11 +134,6 @@ class HFCausalLM(ParModule):
                                        **dict(config or {}))
         self._plan: ParallelPlan | None = None
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The transformers config rides in the checkpoint: ``lightning-par-export`` writes it back."""
-        checkpoint["hf_config"] = self.hf_config.to_dict()
-        checkpoint["hf_module_prefix"] = "net."
-
     # ------------------------------------------------------------------------ building
     def build_net(self, device: torch.device | str = "meta") -> nn.Module:
         """A fresh copy mapping token ids to logits (used to count FLOPs on the meta device)."""

@@ -12,6 +12,7 @@ then materialises only this rank's part with ``init_weights``.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from typing import Any
 
@@ -156,6 +157,11 @@ class GPTModule(ParModule):
 
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
         return torch.zeros(batch_size, self.seq_len, dtype=torch.long, device=device)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The architecture rides in the checkpoint: ``lightning-par-export`` writes it as GPT-2."""
+        if type(self.config) is GPTConfig:  # the MoE model's config is another architecture
+            checkpoint["gpt_config"] = dataclasses.asdict(self.config)
 
     def build_net(self, device: torch.device | str | None = "meta") -> nn.Module:
         with torch.device(device) if device is not None else nullcontext():

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_par import ConfigError
+from lightning_par.parallel.hf_plan import find_hf_model
 from lightning_par.parallel.materialize import canonical_name
 
 #: the model's key in the DCP payload: Lightning's sharded layout (its consolidate tool renames it to state_dict)
@@ -277,6 +278,7 @@ class DistributedCheckpointMixin:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
+        checkpoint.update(export_facts(self.lightning_module))
         states = {MODEL_KEY: checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             states[f"optimizer_{i}"] = plain(opt_state)
@@ -343,6 +345,23 @@ class DistributedCheckpointMixin:
             return dataloader
         dp_size = int((getattr(self, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1))
         return ResumableLoader(dataloader, dp_size)
+
+
+def export_facts(module: nn.Module) -> dict[str, Any]:
+    """What ``lightning-par-export`` needs beside the tensors: a Hugging Face model's config and where it
+    sits in the module (any LightningModule holding one), and the run's tokenizer directory if its
+    data has one."""
+    out: dict[str, Any] = {}
+    found = find_hf_model(module)
+    if found is not None:
+        path, net = found
+        out["hf_config"] = plain(net.config.to_dict())
+        out["hf_module_prefix"] = f"{canonical_name(path)}." if path else ""
+    trainer = getattr(module, "_trainer", None)
+    tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer_dir", None)
+    if tokenizer:
+        out["tokenizer_dir"] = str(tokenizer)
+    return out
 
 
 def module_fqns(module: nn.Module) -> dict[nn.Parameter, str]:

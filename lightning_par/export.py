@@ -1,0 +1,311 @@
+"""``lightning-par-export CHECKPOINT OUT``: any strategy's sharded checkpoint, at any world size, as a
+transformers directory.
+
+The checkpoint (a ``torch.distributed.checkpoint`` directory, ``strategies/checkpoint.py``) holds the
+model as per-parameter tensors in whatever shards the run wrote. The export reads one tensor at a
+time as a full tensor (DCP reassembles it from the shards, in this one process, without a process
+group) and appends it to the output safetensors file, so memory holds one tensor, never the model:
+
+- a Hugging Face model (``model=hf_causal_lm``, with or without ``model.pretrained``) gets its own
+  config and names back: ``AutoModelForCausalLM.from_pretrained(OUT)`` is the trained model;
+- our GPT presets get the GPT-2 layout (``GPT2LMHeadModel``: q/k/v fused into ``c_attn``,
+  ``Conv1D`` weights transposed, exact GELU, untied head);
+- anything else gets its state dict as safetensors under its own names, and a one-line note.
+
+Files are sharded as ``save_pretrained`` shards them (``model-0000i-of-0000n.safetensors`` + the
+index; one ``model.safetensors`` when it fits ``--max-shard-size``). Tokenizer files are copied when
+the run recorded a tokenizer or ``--tokenizer DIR`` names one. Everything is written into a
+temporary directory beside ``OUT`` that is renamed to ``OUT`` only at the end: an interrupted export
+never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_par import ConfigError
+from lightning_par.jobs import quiet_third_party_logs
+from lightning_par.strategies.checkpoint import MODEL_KEY, check_checkpoint
+
+#: safetensors' dtype names
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+_CAST = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of the export: its name and shape there, the checkpoint tensors it is made of, and how."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] = lambda ts: ts[0]
+
+
+# ---------------------------------------------------------------------------------- reading
+class CheckpointTensors:
+    """The model tensors of a checkpoint directory, each read whole on demand (one at a time)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        keys = [k for k in metadata if k.startswith(MODEL_KEY + ".")]
+        self.key = MODEL_KEY if keys else "state_dict"  # the legacy model key
+        self.meta = {k.split(".", 1)[1]: metadata[k] for k in metadata if k.startswith(self.key + ".")
+                     and hasattr(metadata[k], "size")}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta[name].size)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.meta[name].properties.dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.shape(name), dtype=self.dtype(name))
+        dcp.load({self.key: {name: out}}, checkpoint_id=self.path, no_dist=True)
+        return out
+
+
+# ---------------------------------------------------------------------------------- layouts
+def hf_layout(tensors: CheckpointTensors, config: dict[str, Any], prefix: str) -> tuple[list[OutTensor], Any]:
+    """A Hugging Face model's tensors under its own names; a tied copy is written once (as
+    ``save_pretrained`` does). Returns the tensors and the config object to save."""
+    import transformers
+
+    from lightning_par.parallel.ties import tied_parameters
+
+    fields = dict(config)
+    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg.use_cache = True  # inference default; training ran without the cache
+    with torch.device("meta"):
+        net = transformers.AutoModelForCausalLM.from_config(cfg)
+    tied = {other for _, other in tied_parameters(net)}
+    expected = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    out = []
+    for name in tensors.meta:
+        hf = name.removeprefix(prefix)
+        if hf in tied:
+            continue
+        if expected.get(hf) != tensors.shape(name):
+            raise ConfigError(f"export: {tensors.path}: {name} of shape {tensors.shape(name)} has no place in the "
+                              f"{cfg.model_type} model its config describes")
+        out.append(OutTensor(hf, tensors.shape(name), tensors.dtype(name), (name,)))
+    return out, cfg
+
+
+def gpt2_layout(tensors: CheckpointTensors, gpt: dict[str, Any], prefix: str = "net.") -> tuple[list[OutTensor], Any]:
+    """Our GPT as ``GPT2LMHeadModel``: ``Conv1D`` weights are ``nn.Linear``'s transposed, and the
+    attention's q/k/v projections are one fused ``c_attn``."""
+    from transformers import GPT2Config
+
+    d = gpt["n_embd"]
+    cfg = GPT2Config(vocab_size=gpt["vocab_size"], n_positions=gpt["block_size"], n_embd=d, n_layer=gpt["n_layer"],
+                     n_head=gpt["n_head"], n_inner=gpt["mlp_ratio"] * d, activation_function="gelu",
+                     resid_pdrop=gpt["dropout"], embd_pdrop=gpt["dropout"], attn_pdrop=gpt["dropout"],
+                     layer_norm_epsilon=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+
+    def same(ours: str, theirs: str) -> OutTensor:
+        return OutTensor(theirs, tensors.shape(prefix + ours), tensors.dtype(prefix + ours), (prefix + ours,))
+
+    def transposed(ours: str, theirs: str) -> OutTensor:
+        rows, cols = tensors.shape(prefix + ours)
+        return OutTensor(theirs, (cols, rows), tensors.dtype(prefix + ours), (prefix + ours,),
+                         lambda ts: ts[0].t().contiguous())
+
+    out = [same("embed.tok.weight", "transformer.wte.weight"), same("embed.pos.weight", "transformer.wpe.weight")]
+    for i in range(gpt["n_layer"]):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        qkv = tuple(f"{prefix}{ours}attn.w{x}" for x in "qkv")
+        out += [same(ours + "ln_1.weight", theirs + "ln_1.weight"), same(ours + "ln_1.bias", theirs + "ln_1.bias"),
+                OutTensor(theirs + "attn.c_attn.weight", (d, 3 * d), tensors.dtype(qkv[0] + ".weight"),
+                          tuple(s + ".weight" for s in qkv), lambda ts: torch.cat([t.t() for t in ts], dim=1)),
+                OutTensor(theirs + "attn.c_attn.bias", (3 * d,), tensors.dtype(qkv[0] + ".bias"),
+                          tuple(s + ".bias" for s in qkv), torch.cat),
+                transposed(ours + "attn.wo.weight", theirs + "attn.c_proj.weight"),
+                same(ours + "attn.wo.bias", theirs + "attn.c_proj.bias"),
+                same(ours + "ln_2.weight", theirs + "ln_2.weight"), same(ours + "ln_2.bias", theirs + "ln_2.bias"),
+                transposed(ours + "mlp.fc.weight", theirs + "mlp.c_fc.weight"),
+                same(ours + "mlp.fc.bias", theirs + "mlp.c_fc.bias"),
+                transposed(ours + "mlp.proj.weight", theirs + "mlp.c_proj.weight"),
+                same(ours + "mlp.proj.bias", theirs + "mlp.c_proj.bias")]
+    out += [same("head.ln_f.weight", "transformer.ln_f.weight"), same("head.ln_f.bias", "transformer.ln_f.bias"),
+            same("head.lm_head.weight", "lm_head.weight")]
+    return out, cfg
+
+
+def plain_layout(tensors: CheckpointTensors) -> list[OutTensor]:
+    return [OutTensor(n, tensors.shape(n), tensors.dtype(n), (n,)) for n in tensors.meta]
+
+
+# ---------------------------------------------------------------------------------- writing
+def write_safetensors(file: Path, items: Sequence[OutTensor], produce: Callable[[OutTensor], torch.Tensor]) -> None:
+    """Write ``items`` to one safetensors file, tensor by tensor. safetensors' own ``save_file`` takes
+    every tensor of the file at once (the model, for a one-file export); its format is a length-
+    prefixed JSON header of offsets followed by the raw bytes, and the offsets follow from the shapes,
+    so the header is written first and each tensor appended as it is read (checked by reading the file
+    back with safetensors in the tests)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for item in items:
+        size = _numel(item.shape) * torch.empty((), dtype=item.dtype).element_size()
+        header[item.name] = {"dtype": _DTYPES[item.dtype], "shape": list(item.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for item in items:
+            t = produce(item)
+            if tuple(t.shape) != tuple(item.shape) or t.dtype != item.dtype:
+                raise RuntimeError(f"export: {item.name} came out {tuple(t.shape)} {t.dtype}, "
+                                   f"expected {item.shape} {item.dtype}")
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def shard(items: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+    """Consecutive groups of at most ``max_bytes`` (a larger tensor alone), as ``save_pretrained`` does."""
+    shards: list[list[OutTensor]] = [[]]
+    size = 0
+    for item in items:
+        n = _numel(item.shape) * torch.empty((), dtype=item.dtype).element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += n
+    return shards
+
+
+# ---------------------------------------------------------------------------------- the command
+def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: str = "keep",
+           tokenizer: str | Path | None = None, overwrite: bool = False) -> str:
+    """Export ``checkpoint`` to ``out``; returns what was written (one line)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    check_checkpoint(checkpoint)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ConfigError(f"export: {out} exists and is not empty (pass --overwrite to replace it)")
+    meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=True)
+    tensors = CheckpointTensors(checkpoint)
+    tokenizer = tokenizer or meta.get("tokenizer_dir")
+    if meta.get("hf_config"):
+        items, cfg = hf_layout(tensors, meta["hf_config"], meta.get("hf_module_prefix", ""))
+        kind = f"transformers {type(cfg).__name__.removesuffix('Config')} layout"
+    elif meta.get("gpt_config") and meta["gpt_config"].get("bias", True):
+        items, cfg = gpt2_layout(tensors, meta["gpt_config"])
+        kind = "transformers GPT-2 layout (GPT2LMHeadModel)"
+    else:
+        items, cfg = plain_layout(tensors), None
+        kind = "plain safetensors state dict (no transformers architecture matches this model; its own names)"
+    tok = _load_tokenizer(Path(tokenizer)) if tokenizer else None  # before anything is written
+    cast = _CAST[dtype]
+    if cast is not None:
+        items = [OutTensor(i.name, i.shape, cast if i.dtype.is_floating_point else i.dtype, i.sources, i.combine)
+                 for i in items]
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        why = "a path above it is a file" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e
+        raise ConfigError(f"export: cannot write {out} ({why})") from None
+    try:
+        groups = shard(items, max_shard_bytes)
+        names = ["model.safetensors"] if len(groups) == 1 else [
+            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+
+        def produce(item: OutTensor) -> torch.Tensor:
+            t = item.combine([tensors.read(s) for s in item.sources])
+            return t.to(item.dtype)
+
+        for name, group in zip(names, groups):
+            write_safetensors(tmp / name, group, produce)
+        if len(groups) > 1:
+            total = sum(_numel(i.shape) * torch.empty((), dtype=i.dtype).element_size() for i in items)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {i.name: name for name, group in zip(names, groups) for i in group}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        if cfg is not None:
+            if cast is not None:
+                cfg.dtype = cast
+            cfg.save_pretrained(tmp)
+        if tok is not None:
+            tok.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return f"exported {len(items)} tensors in {len(groups)} file(s) to {out}: {kind}"
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises several types for a bad directory
+        raise ConfigError(f"export: tokenizer {directory} cannot be loaded ({' '.join(str(e).split())[:200]})") from None
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * scale)
+    if t.isdigit():
+        return int(t)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 1000000")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-par-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint directory (<run dir>/checkpoints/stepNNNNNN.ckpt)")
+    parser.add_argument("out", help="the transformers directory to write (must not exist, or be empty)")
+    parser.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--dtype", choices=sorted(_CAST), default="keep", help="cast floating tensors (default keep)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory to copy (default: the run's, if any)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    args = parser.parse_args(argv)
+    # DCP says once that it loads in one process without a process group: that is the point here
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    quiet_third_party_logs()
+    try:
+        print(export(args.checkpoint, args.out, max_shard_bytes=args.max_shard_size, dtype=args.dtype,
+                     tokenizer=args.tokenizer, overwrite=args.overwrite))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a file vanishing underneath
+        print(f"error: export failed, nothing written to {args.out}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Trained weights out (issue 20, part 2): ``lightning-par-export CHECKPOINT OUT``.
+
+Checkpoints written at 2 ranks by a LightningModule of this test (holding a Hugging Face model
+loaded with ``lightning_par.models.from_pretrained``) under fsdp, zero3, ddp and pipeline, and by the
+app's own GPT preset under fsdp, are exported and opened with transformers' ``from_pretrained``:
+
+- after training with lr=0 the exported weights equal the pretrained ones exactly;
+- after training with lr>0 the exported model's logits equal those of the checkpoint's own model
+  (the run's tensors read back with torch.distributed.checkpoint into the same architecture), and
+  differ from the untrained ones;
+- our GPT preset exports to ``GPT2LMHeadModel`` with the same logits as our GPT.
+
+Faults: an interrupted export leaves neither OUT nor a partial directory; every bad input is one
+line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_pretrained import MAKE, ROOT, _env, _run
+
+SCRIPT = textwrap.dedent('''
+    import json, os, sys, warnings, logging
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import torch
+    import torch.nn.functional as F
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+    import lightning_par.models
+    import lightning_par.strategies
+
+    class FineTune(L.LightningModule):
+        def __init__(self, directory, lr):
+            super().__init__()
+            self.directory, self.lr, self.net = directory, lr, None
+
+        def configure_model(self):
+            if self.net is None:
+                self.net = lightning_par.models.from_pretrained(self.directory)
+
+        def loss_fn(self, logits, target):
+            return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.loss_fn(self.net(input_ids=x).logits, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    root, cells = sys.argv[1], json.loads(sys.argv[2])
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 300, (8, 17), generator=g)
+    for fam, strategy, lr in cells:
+        L.seed_everything(0, verbose=False)
+        ckpt = ModelCheckpoint(dirpath=f"{root}/ckpt", filename=f"{fam}-{strategy}-{lr}", every_n_train_steps=3,
+                               save_top_k=-1)
+        trainer = L.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=3, callbacks=[ckpt],
+                            logger=False, enable_progress_bar=False, enable_model_summary=False)
+        dp = 1 if strategy == "lp_pipeline" else 2
+        data = TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+        trainer.fit(FineTune(f"{root}/{fam}", lr), DataLoader(data, batch_size=8 // dp))
+''')
+CELLS = [("llama", "lp_fsdp", 0.0), ("llama", "lp_zero3", 0.5), ("gpt2", "lp_ddp", 0.5), ("qwen2", "lp_pipeline", 0.5)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("export")
+    _run(MAKE, str(root), cwd=root)
+    _run(SCRIPT, str(root), json.dumps(CELLS), cwd=root)
+    return root
+
+
+def _export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_par.export", *args], env=_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def _checkpoint_model(source: Path, checkpoint: Path, prefix: str = "net."):
+    """The architecture of ``source`` holding the checkpoint's tensors (the run's model, read back)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    state = {prefix + k: v for k, v in net.state_dict().items() if f"model.{prefix}{k}" in saved}
+    dcp.load({"model": state}, checkpoint_id=checkpoint, no_dist=True)
+    return net
+
+
+def _logits(net, ids):
+    import torch
+
+    with torch.no_grad():
+        return net(input_ids=ids).logits
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_export_round_trips_through_transformers(trained: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(9))
+    for fam, strategy, lr in CELLS:
+        checkpoint = trained / "ckpt" / f"{fam}-{strategy}-{lr}.ckpt"
+        out = tmp_path / f"{fam}-{strategy}"
+        proc = _export(str(checkpoint), str(out), "--max-shard-size", "60KB")
+        assert proc.returncode == 0, proc.stderr
+        assert f"to {out}: transformers" in proc.stdout, proc.stdout
+        assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        source = AutoModelForCausalLM.from_pretrained(trained / fam, dtype=torch.float32)
+        if lr == 0:  # nothing trained: the very weights that went in
+            for (name, a), b in zip(exported.state_dict().items(), source.state_dict().values(), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+            continue
+        run = _checkpoint_model(trained / fam, checkpoint)
+        got, want = _logits(exported, ids), _logits(run, ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{fam} {strategy}")
+        assert (got - _logits(source, ids)).abs().max() > 1e-3, f"{fam} {strategy}: training changed nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_our_gpt_exports_as_gpt2(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import GPT2LMHeadModel
+
+    from lightning_par.models.gpt import GPT, GPTConfig
+
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=gpt_tiny", "strategy=fsdp", "trainer.devices=2",
+                           "trainer.max_steps=3", "data=synthetic", "data.seq_len=32", "callbacks=checkpoint",
+                           "callbacks.checkpoint.every_n_train_steps=3", f"hydra.run.dir={tmp_path}/run"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step000003.ckpt"
+    proc = _export(str(checkpoint), str(tmp_path / "hf"))
+    assert proc.returncode == 0 and "GPT2LMHeadModel" in proc.stdout, proc.stderr
+    meta = torch.load(checkpoint / "meta.pt", weights_only=True)
+    ours = GPT(GPTConfig(**meta["gpt_config"]))
+    dcp.load({"model": {"net." + k: v for k, v in ours.state_dict().items()}}, checkpoint_id=checkpoint, no_dist=True)
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_interrupted_export_leaves_nothing_that_looks_complete(trained: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_par import export
+
+    checkpoint = trained / "ckpt" / "llama-lp_fsdp-0.0.ckpt"
+    calls = []
+    real = export.write_safetensors
+
+    def dies_on_second_file(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a Ctrl-C in the middle looks like
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "write_safetensors", dies_on_second_file)
+    with pytest.raises(KeyboardInterrupt):
+        export.export(checkpoint, tmp_path / "out", max_shard_bytes=60_000)
+    assert len(calls) == 2 and calls[0].exists() is False  # the first file was written, then removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_bad_export_input_is_one_line(trained: Path, tmp_path: Path) -> None:
+    checkpoint = trained / "ckpt" / "llama-lp_fsdp-0.0.ckpt"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "file").write_text("x")
+    cases = {
+        (str(tmp_path / "nowhere"), str(tmp_path / "a")): "does not exist",
+        (str(checkpoint), str(tmp_path / "full")): "exists and is not empty",
+        (str(checkpoint), str(tmp_path / "file" / "out")): "cannot write",
+        (str(checkpoint), str(tmp_path / "b"), "--max-shard-size", "lots"): "is not a size",
+        (str(checkpoint), str(tmp_path / "c"), "--tokenizer", str(tmp_path / "full")): "tokenizer",
+    }
+    for args, expected in cases.items():
+        proc = _export(*args)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr)
+        errors = [line for line in lines if "error:" in line]
+        usage = [line for line in lines if line.startswith(("usage:", " "))]  # argparse's usage, for its own errors
+        assert len(errors) == 1 and len(errors) + len(usage) == len(lines), lines
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("full", "file")]  # nothing half-written
+    assert os.listdir(tmp_path / "full") == ["x"]
