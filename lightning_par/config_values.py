@@ -302,6 +302,8 @@ TABLE: dict[str, Spec] = {
     "callbacks.memory.measure_at_step": NON_NEGATIVE,
     "callbacks.guard.check_every_n_steps": POSITIVE,
     "callbacks.moe.flush_every_n_steps": POSITIVE,
+    "callbacks.export.at_end": BOOL,
+    "callbacks.export.dtype": choice("keep", "bf16", "fp16", "fp32"),
     "callbacks.comm.warmup_steps": NON_NEGATIVE,
     "callbacks.comm.measure_steps": POSITIVE.note("steps counted after the warm-up"),
     # --- loggers (conf/logger/*.yaml)
@@ -339,13 +341,14 @@ CHECKED_ELSEWHERE: dict[str, str] = {
     "strategy.tiling": "parallel.tiling (module path: tiles >= 2)",
     "callbacks.guard.nonfinite": "callbacks.guard.RunGuard (NONFINITE_ACTIONS)",
     "callbacks.checkpoint.dirpath": "train.check_writable",
+    "callbacks.export.max_shard_size": "export.size_bytes (5GB, 500MB, bytes)",
 }
 
 #: keys without a type or range to check (free text, paths checked by use, Hydra plumbing); ``*``: any one
 #: part of the key, ``**``: any number of parts
 NOT_CHECKED: tuple[str, ...] = (
     "**._target_", "paths.**", "logger.**", "trainer.default_root_dir", "callbacks.checkpoint.filename",
-    "callbacks.summary.**", "callbacks.bubble.output_dir",
+    "callbacks.summary.**", "callbacks.bubble.output_dir", "callbacks.export.output_dir",
 )
 
 

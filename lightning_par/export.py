@@ -263,6 +263,35 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
     return f"exported {len(items)} tensors in {len(groups)} file(s) to {out}: {kind}"
 
 
+def save_pretrained(trainer: Any, out: str | Path, *, dtype: str = "keep", max_shard_bytes: int = 5 * 2**30) -> str:
+    """Write the trainer's model as a transformers directory (``export``'s layouts), from every rank
+    (collective): the model is saved as a sharded checkpoint (weights only) beside ``out``, global
+    rank 0 exports it tensor by tensor and removes it. This is ``save_pretrained`` for a model that
+    FSDP, ZeRO-3 or tensor parallelism has sharded, where transformers' own would need the full
+    tensors on rank 0. Returns the export's line on every rank; raises its error on every rank."""
+    from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, DistributedCheckpointMixin):
+        raise ConfigError(f"save_pretrained needs a lightning_par strategy (lp_*); {type(strategy).__name__} "
+                          "saves Lightning's own checkpoint files")
+    out = Path(strategy.broadcast(str(out)))
+    staging = out.parent / f".{out.name}.checkpoint"
+    trainer.save_checkpoint(staging, weights_only=True)
+    result = ""
+    if trainer.is_global_zero:
+        try:
+            result = export(staging, out, max_shard_bytes=max_shard_bytes, dtype=dtype, overwrite=True)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below, none waits forever
+            result = f"error: {type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    result = strategy.broadcast(result)
+    if result.startswith("error: "):
+        raise RuntimeError(f"save_pretrained to {out} failed: {result.removeprefix('error: ')}")
+    return result
+
+
 def _load_tokenizer(directory: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -272,13 +301,21 @@ def _load_tokenizer(directory: Path) -> Any:
         raise ConfigError(f"export: tokenizer {directory} cannot be loaded ({' '.join(str(e).split())[:200]})") from None
 
 
+def size_bytes(text: str | int) -> int:
+    """``5GB``, ``500MB``, ``64KiB`` or a number of bytes; one line otherwise."""
+    try:
+        return text if isinstance(text, int) and not isinstance(text, bool) else _size(str(text))
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"export: max_shard_size={e}") from None
+
+
 def _size(text: str) -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     t = text.strip().upper()
     for unit, scale in units.items():
         if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
             return int(float(t[: -len(unit)]) * scale)
-    if t.isdigit():
+    if t.isdigit() and int(t) > 0:
         return int(t)
     raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 1000000")
 

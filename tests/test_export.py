@@ -201,3 +201,32 @@ def test_bad_export_input_is_one_line(trained: Path, tmp_path: Path) -> None:
         assert len(errors) == 1 and len(errors) + len(usage) == len(lines), lines
     assert not [p for p in tmp_path.iterdir() if p.name not in ("full", "file")]  # nothing half-written
     assert os.listdir(tmp_path / "full") == ["x"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_app_fine_tunes_a_checkpoint_and_exports_it_at_the_end(trained: Path, tmp_path: Path) -> None:
+    """``model=hf_causal_lm model.pretrained=DIR ... callbacks.export.at_end=true`` under zero3 at 2
+    ranks: the exported directory is the final checkpoint's model, and ``load_from_checkpoint`` opens
+    that sharded checkpoint directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.models.hf import HFCausalLM
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=hf_causal_lm", f"model.pretrained={trained}/llama",
+                           "strategy=zero3", "trainer.devices=2", "trainer.max_steps=3", "data=synthetic",
+                           "data.seq_len=16", "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=3",
+                           "callbacks.export.at_end=true", f"hydra.run.dir={run}"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"to {run / 'hf'}: transformers Llama layout" in proc.stdout, proc.stdout[-2000:]
+    checkpoint = run / "checkpoints" / "step000003.ckpt"
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
+    want = _logits(_checkpoint_model(trained / "llama", checkpoint), ids)
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32)
+    torch.testing.assert_close(_logits(exported, ids), want, rtol=1e-5, atol=1e-6)
+    assert not list(run.glob(".hf*")), "the export's staging checkpoint was left behind"
+    loaded = HFCausalLM.load_from_checkpoint(checkpoint)
+    torch.testing.assert_close(_logits(loaded.net, ids), want, rtol=1e-5, atol=1e-6)

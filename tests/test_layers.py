@@ -25,12 +25,13 @@ LAYERS: dict[str, int] = {
     "lightning_par.models": 3,
     "lightning_par.data": 4,
     "lightning_par.callbacks": 5,  # measurement
+    "lightning_par.export": 5,  # checkpoints as transformers directories: the command, and the end-of-fit callback's core
     "lightning_par.costs": 6, "lightning_par.estimate": 6, "lightning_par.advisor": 6,  # cost models
     # entry: where config meets code (reads config nodes; validates before launch)
     "lightning_par.facts": 7, "lightning_par.train": 7, "lightning_par.loggers": 7, "lightning_par.child": 7,
     "lightning_par.memory_check": 7, "lightning_par.config_values": 7, "lightning_par.tiling_option": 7,
     # the app around it: modes beside training, the command line, reports, the collectives benchmark
-    "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8, "lightning_par.export": 8,
+    "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8,
     "lightning_par.collectives": 8,
 }
 NAMES = {0: "base", 1: "parallel", 2: "strategies", 3: "models", 4: "data", 5: "callbacks", 6: "costs",

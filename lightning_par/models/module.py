@@ -13,7 +13,10 @@ then materialises only this rank's part with ``init_weights``.
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -55,6 +58,24 @@ class ParModule(L.LightningModule):
         self.schedule = scheduler if isinstance(scheduler, ScheduleConfig) else schedule_config(scheduler)
         self.global_batch_size = global_batch_size
         self.net: nn.Module | None = None
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``, which also opens lightning_par's sharded checkpoint
+        directories: their tensors are assembled into one state dict in this process (the whole model
+        in host memory, as Lightning's own file holds it; ``lightning-par-export`` streams instead)."""
+        path = Path(str(checkpoint_path)) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+        if path is not None and path.is_dir():
+            from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+            from lightning_par.strategies.checkpoint import check_checkpoint, lightning_checkpoint
+
+            check_checkpoint(path)
+            buffer = io.BytesIO()
+            torch.save(lightning_checkpoint(_load_distributed_checkpoint(path)), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def set_schedule(self, schedule: ScheduleConfig, global_batch_size: int | None) -> None:
         """The ``scheduler`` config group and the run's global batch (for ``schedule.lr_scaling``)."""

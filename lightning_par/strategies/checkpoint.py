@@ -347,6 +347,15 @@ class DistributedCheckpointMixin:
         return ResumableLoader(dataloader, dp_size)
 
 
+def lightning_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A loaded sharded checkpoint (DCP payload + meta.pt) in the layout of Lightning's own file: the
+    model under ``state_dict``; the optimizer states (canonical, keyed by name) dropped."""
+    out = {k: v for k, v in checkpoint.items() if not k.startswith("optimizer_")}
+    if MODEL_KEY in out:
+        out[_LEGACY_MODEL_KEY] = out.pop(MODEL_KEY)
+    return out
+
+
 def export_facts(module: nn.Module) -> dict[str, Any]:
     """What ``lightning-par-export`` needs beside the tensors: a Hugging Face model's config and where it
     sits in the module (any LightningModule holding one), and the run's tokenizer directory if its
