@@ -142,8 +142,9 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
                 if piece in targets:
                     _copy_local(targets[piece], loaded[key], rows)
                     filled.add(piece)
-        if len(loaded) == len(names):
-            continue  # every tensor of the group came from the checkpoint: nothing to initialise
+        if len(loaded) == len(names):  # every tensor of the group came from the checkpoint: nothing to initialise
+            _release_free_memory()  # the slices read were temporaries: hand their pages back (see below)
+            continue
         host = template.to_empty(device="cpu")
         for t in [*host.parameters(), *host.buffers()]:
             _fill_sentinel(t)

@@ -42,11 +42,10 @@ class SafetensorsWeights:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         listed = _weight_files(self.directory)  # key -> file (the index's map; {"": file} without one)
-        self._handles: dict[Path, object] = {}
         self._files: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         for file in sorted(set(listed.values())):
-            handle = self._open(file)
+            handle = _open(file)
             for key in handle.keys():
                 self._shapes.setdefault(key, tuple(handle.get_slice(key).get_shape()))
                 self._files.setdefault(key, file)
@@ -54,19 +53,6 @@ class SafetensorsWeights:
         if missing:
             raise WeightsError(f"{self.directory / INDEX_NAME}: lists {missing[0]} in {listed[missing[0]].name}, "
                                "which does not hold it")
-
-    def _open(self, file: Path) -> object:
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            if not file.is_file():
-                raise WeightsError(f"pretrained weights: shard file {file} is missing")
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise WeightsError(f"pretrained weights: {file} is not a readable safetensors file ({first})") from None
-        return self._handles[file]
 
     def __contains__(self, key: str) -> bool:
         return key in self._shapes
@@ -78,8 +64,11 @@ class SafetensorsWeights:
         return self._shapes[key]
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """``key``'s tensor, or only ``index`` of it (one slice per leading dimension)."""
-        piece = self._open(self._files[key]).get_slice(key)
+        """``key``'s tensor, or only ``index`` of it (one slice per leading dimension). The file is
+        mapped for this read only: pages of a mapping count in the process's resident memory for as
+        long as it stays open, so a rank that kept its files open would end up resident with every
+        page it ever read -- about twice its shards -- instead of its shards alone."""
+        piece = _open(self._files[key]).get_slice(key)
         try:
             return piece[index] if index else piece[:]
         except Exception as e:  # noqa: BLE001 - a truncated file fails here, not at open
@@ -130,6 +119,19 @@ def weight_sources(module: torch.nn.Module) -> WeightSources | None:
         aliases[other] = first
         aliases.setdefault(first, other)
     return WeightSources(sources, aliases)
+
+
+def _open(file: Path) -> object:
+    """A safetensors handle of ``file`` (header parsed, data memory-mapped); one line if unreadable."""
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise WeightsError(f"pretrained weights: shard file {file} is missing")
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightsError(f"pretrained weights: {file} is not a readable safetensors file ({first})") from None
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
