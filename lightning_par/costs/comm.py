@@ -154,7 +154,7 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                     grad_clip: bool = False, expert_params: int = 0,
                     data_parallel: str = "replicate", activation_bytes: int | None = None,
                     recompute: bool = False, param_tensors: int | None = None,
-                    accumulate: int = 1) -> dict[str, dict[str, int]]:
+                    accumulate: int = 1, grad_sync: str = "every_micro_batch") -> dict[str, dict[str, int]]:
     """Payload bytes one rank sends through collectives in one optimizer step: ``{kind: {axis: bytes}}``.
 
     Args:
@@ -190,6 +190,8 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             reduce-scatter); every other strategy communicates in every forward and backward: FSDP2
             gathers and reduce-scatters per micro-batch, the mesh strategies average replicated
             gradients after every backward, and activations travel per micro-batch.
+        grad_sync: FSDP's ``last_micro_batch`` reduces gradients once per step (the reduce-scatter, and
+            HSDP's all-reduce over dp_replicate) while its gathers stay per micro-batch.
 
     Raises ValueError for a strategy or option this model does not cover.
     """
@@ -208,7 +210,12 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                  activation_bytes, recompute, param_tensors)
     traffic(step)
     k = 1 if traffic in _ONCE_PER_STEP else max(1, int(accumulate))
-    return {kind: {axis: nbytes * k for axis, nbytes in axes.items()} for kind, axes in step.out.items()
+
+    def times(kind: str, axis: str) -> int:
+        once = grad_sync == "last_micro_batch" and (kind == "reduce_scatter" or (kind, axis) == ("all_reduce", "dp_replicate"))
+        return 1 if once else k
+
+    return {kind: {axis: nbytes * times(kind, axis) for axis, nbytes in axes.items()} for kind, axes in step.out.items()
             if any(axes.values())}
 
 

@@ -91,4 +91,5 @@ def predict(trainer: L.Trainer, pl_module: L.LightningModule,
         data_parallel=str(getattr(strategy, "data_parallel", "replicate")),
         activation_bytes=dtypes.dtype_bytes(precision.compute),
         recompute=bool(getattr(strategy, "activation_checkpointing", False)),
-        accumulate=int(trainer.accumulate_grad_batches))
+        accumulate=int(trainer.accumulate_grad_batches),
+        grad_sync=str(getattr(strategy, "grad_sync", "every_micro_batch")))

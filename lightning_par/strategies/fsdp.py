@@ -16,17 +16,23 @@ and does the Lightning plumbing (inherited from ``ShardedStrategy``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_par.parallel.discovery import ResolvedPlan
 from lightning_par.parallel.fsdp import resolve_units
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.strategies.base import ShardedStrategy
 from lightning_par.strategies.fsdp_options import FSDPOptions, FSDPOptionsMixin
+
+
+#: when FSDP reduces gradients under accumulation (``FSDPStrategy(grad_sync=...)``)
+GRAD_SYNC = ("every_micro_batch", "last_micro_batch")
 
 
 class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
@@ -52,6 +58,11 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
         timeout: collective timeout (Lightning's default: 30 minutes).
         sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``), the
             layers converted on the meta model, before sharding.
+        grad_sync: with gradient accumulation, ``every_micro_batch`` reduce-scatters each micro-batch's
+            gradients (ZeRO-3: gradients stay sharded); ``last_micro_batch`` skips the reduction on all
+            but the last (FSDP2's ``set_requires_gradient_sync``): one reduce-scatter (and, HSDP, one
+            all-reduce) per optimizer step instead of one per micro-batch, at the cost of holding
+            unsharded gradients between micro-batches.
     """
 
     strategy_name = "lp_fsdp"
@@ -60,12 +71,13 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
                  prefetch: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = None,
                  cpu_offload: bool = False, replicate: int = 1, activation_checkpointing: bool = False,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 sync_batchnorm: bool = False) -> None:
+                 sync_batchnorm: bool = False, grad_sync: str = "every_micro_batch") -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,
                          process_group_backend=process_group_backend, timeout=timeout, sync_batchnorm=sync_batchnorm)
         self.fsdp_options = FSDPOptions(units=units, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
                                         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
         self.replicate = replicate
+        self.grad_sync = grad_sync
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:
@@ -78,6 +90,8 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         super().validate_setup(world_size, module)
         self.fsdp_options.check(type(self).__name__)
+        if self.grad_sync not in GRAD_SYNC:
+            raise ValueError(f"{type(self).__name__}: grad_sync={self.grad_sync!r}; choose one of {', '.join(GRAD_SYNC)}")
         self.unit_paths(module)
 
     def unit_paths(self, module: nn.Module) -> list[str] | None:
@@ -86,6 +100,20 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
         if self.units == "blocks":
             return None
         return resolve_units(module, self.units)
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning enters this around the backward of every micro-batch but the last: with
+        ``grad_sync=last_micro_batch`` FSDP keeps those gradients unsharded and unreduced."""
+        module = self.lightning_module
+        if self.grad_sync != "last_micro_batch" or not isinstance(module, FSDPModule):
+            yield
+            return
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
 
     # ------------------------------------------------------------------------ sharding
     def techniques(self, module: nn.Module, resolved: ResolvedPlan) -> dict:
