@@ -187,8 +187,9 @@ def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
     return shape.units()["total"], shape
 
 
-def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int]) -> Layout:
-    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...)."""
+def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int], accumulate: int = 1) -> Layout:
+    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...);
+    ``accumulate``: micro-batches per step (FSDP's ``grad_sync=last_micro_batch`` then holds full gradients)."""
     e = entry(name)
     base = e.cost_layout(dims.world_size, tp=dims.tp, pp=dims.pp, ep=dims.ep,
                          replicate=dims.dp_replicate if e.sharding_for(getattr(strategy, "data_parallel", None) or
@@ -203,4 +204,5 @@ def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int])
                    virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
                    loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
+                   unsharded_grads=accumulate > 1 and getattr(strategy, "grad_sync", None) == "last_micro_batch",
                    mesh=dims.sizes())

@@ -68,7 +68,8 @@ def predicted_peak(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int
                        optimizer=str(cfg.model.get("optimizer", "adamw")), micro_batch_size=micro,
                        checkpointing=bool(getattr(strategy, "activation_checkpointing", False)),
                        device="cuda" if on_cuda else "cpu",
-                       layout_=strategy_layout(found.name, strategy, dims, dict(getattr(strategy, "tiling", None) or {})))
+                       layout_=strategy_layout(found.name, strategy, dims, dict(getattr(strategy, "tiling", None) or {}),
+                                               accumulate))
     except ValueError:  # a layout the estimator does not price: nothing to check against
         return None
     return est.peak, found.name

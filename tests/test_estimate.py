@@ -21,7 +21,7 @@ from lightning_par.estimate import (
     estimate_table,
     model_shape,
 )
-from lightning_par.models.gpt import GPTConfig
+from lightning_par.models.gpt import PRESETS, GPTConfig
 from lightning_par.modes.estimate import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,3 +166,24 @@ def test_selective_recomputation_drops_only_the_attention_core() -> None:
     fused = Shape(2, 32, 2, 256, 128)  # flash keeps no s x s tensor: nothing to recompute
     assert estimate(fused, checkpointing="selective", device="cpu", **kw).activations == \
         estimate(fused, checkpointing=False, device="cpu", **kw).activations
+
+
+def test_fsdp_without_gradient_sync_holds_full_gradients(tmp_path) -> None:
+    """``strategy.grad_sync=last_micro_batch``: with accumulation the estimate holds every unsharded
+    gradient (the model's fp32 gradients, not 1/8 of them); without accumulation nothing changes."""
+    def fsdp_row(*extra: str) -> dict:
+        out = tmp_path / "_".join(extra).replace("=", "-").replace(".", "-")
+        cmd = [sys.executable, "run.py", "mode=estimate", "model=gpt2", "strategy=fsdp", "trainer.devices=8",
+               "data.global_batch_size=32", f"paths.output_dir={out}", *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        record = json.loads((out / "estimate.json").read_text())
+        return {r["strategy"]: r for r in record["strategies"]}["fsdp"]
+
+    every = fsdp_row("trainer.accumulate_grad_batches=4")
+    last = fsdp_row("trainer.accumulate_grad_batches=4", "strategy.grad_sync=last_micro_batch")
+    once = fsdp_row("strategy.grad_sync=last_micro_batch")
+    n_params = GPTConfig(**PRESETS["gpt2"]).n_params
+    assert last["grads"] == pytest.approx(4 * n_params, rel=1e-3) and every["grads"] == pytest.approx(last["grads"] / 8, rel=1e-2)
+    assert last["peak"] > every["peak"] + 0.8 * (last["grads"] - every["grads"])
+    assert once["grads"] == fsdp_row()["grads"]

@@ -78,7 +78,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     opt_elems = psi_shard if lay.opt_sharded else int(local)
     opt = optimizer_state_bytes(opt_elems, optimizer, precision)
     grads_steady = g * (psi_shard if lay.grads in ("zero2", "fsdp") else local)
-    if lay.grads == "accumulate":
+    if lay.grads == "accumulate" or lay.unsharded_grads:
         grads_steady = g * local  # held between backward and the step (freed by zero_grad)
     host = 0
     if lay.cpu_offload:
@@ -196,6 +196,8 @@ def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, fu
 
 
 def _grads_during_backward(lay: Layout, g: float, local: float, psi_shard: int, done: float, unit: float) -> float:
+    if lay.unsharded_grads:  # FSDP without gradient sync: every unsharded gradient since the first micro-batch
+        return g * local
     if lay.cpu_offload:
         return g * unit  # one unit's full-size gradient on the device before it moves to the host
     if lay.grads == "bucket":

@@ -63,7 +63,8 @@ def run_estimate(cfg: Any) -> str:
             rows.append(replace(estimate(model, strategy=row, micro_batch_size=row_micro, **kw),
                                 micro_batch_size=row_micro))
         rows.append(replace(estimate(model, strategy=name, micro_batch_size=micro,
-                                     layout_=strategy_layout(name, strategy, dims, tiling), **kw), micro_batch_size=micro))
+                                     layout_=strategy_layout(name, strategy, dims, tiling, accumulate), **kw),
+                                micro_batch_size=micro))
         rows.sort(key=lambda r: [e.name for e in CATALOG].index(r.strategy))
         table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
                                                    unit=str(opts.get("unit", "GiB")), micro_batch_size=micro, **kw)])

@@ -70,6 +70,7 @@ class Layout:
     tiling: dict[str, int] = field(default_factory=dict)
     mesh: dict[str, int] = field(default_factory=dict)
     data_parallel: str = "replicate"  # expert_parallel / 3d: how the data axis holds the non-expert states
+    unsharded_grads: bool = False  # FSDP grad_sync=last_micro_batch with accumulation: full gradients held
 
 
 @dataclass(frozen=True)
