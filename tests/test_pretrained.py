@@ -5,8 +5,9 @@ a Qwen2, a GPT-2 with tied embeddings; never downloaded) are loaded by a Lightni
 this test through ``lightning_par.models.from_pretrained(DIR)`` in ``configure_model``, under every
 strategy (2 ranks; 4 for hsdp and fsdp_tp; 8 for 3d). Step 0's loss must equal transformers' own
 ``AutoModelForCausalLM.from_pretrained(DIR)`` forward on the same batch (fp32, rtol 1e-5), and
-step 1 (after one AdamW step from the loaded weights) must equal lp_single's. One script run holds
-every cell of a world size in the same processes.
+step 1 (after one AdamW step from the loaded weights) must equal lp_single's. transformers' own
+``AutoModelForCausalLM.from_pretrained(DIR)`` in ``configure_model`` gives the same. One script run
+holds every cell of a world size in the same processes.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ SCRIPT = textwrap.dedent('''
             self.directory, self.net = directory, None
 
         def configure_model(self):
-            if self.net is None:
+            if self.net is None and self.directory.endswith("+transformers"):  # transformers' own call
+                from transformers import AutoModelForCausalLM
+                self.net = AutoModelForCausalLM.from_pretrained(self.directory.removesuffix("+transformers"))
+            elif self.net is None:
                 self.net = lightning_par.models.from_pretrained(self.directory)
 
         def loss_fn(self, logits, target):  # a pipeline's last stage calls it
@@ -109,6 +113,9 @@ SCRIPT = textwrap.dedent('''
     cells, BATCH = json.loads(sys.argv[4]), int(sys.argv[5])
     ids = torch.load(f"{root}/ids.pt")
     result = {f"{fam}/{s}": run(s, devices, f"{root}/{fam}", ids) for fam, s in cells}
+    if devices == 2:  # transformers' own AutoModelForCausalLM.from_pretrained(DIR) in configure_model
+        result.update({f"{fam}+transformers/{s}": run(s, devices, f"{root}/{fam}+transformers", ids)
+                       for fam, s in (("llama", "lp_fsdp"), ("qwen2", "lp_pipeline"), ("gpt2", "lp_zero3"))})
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -164,6 +171,10 @@ def test_every_strategy_starts_from_the_checkpoint_transformers_loads(checkpoint
         cells = [(fam, s) for fam in FAMILIES for s in strategies]
         _run(SCRIPT, str(out), str(world), str(checkpoints), json.dumps(cells), str(BATCH), cwd=checkpoints)
         got.update(json.loads(out.read_text()))
+    for fam, s in (("llama", "lp_fsdp"), ("qwen2", "lp_pipeline"), ("gpt2", "lp_zero3")):
+        own = got[f"{fam}+transformers/{s}"]
+        assert isinstance(own, list), own  # transformers' own call in configure_model, filled shard by shard
+        np.testing.assert_allclose(own, got[f"{fam}/{s}"], rtol=1e-6, err_msg=f"{fam} {s} via transformers")
     for fam in FAMILIES:
         single = got[f"{fam}/lp_single"]
         assert abs(single[1] - single[0]) > 1e-3, (fam, single)  # the step changed the weights

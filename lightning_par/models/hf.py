@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_par.models.module import ParModule
-from lightning_par.models.pretrained import build_pretrained, check_pretrained, pretrained_config
+from lightning_par.models.pretrained import build_pretrained, pretrained_config
 from lightning_par.parallel.contract import ParallelPlan
 from lightning_par.parallel.hf_plan import (
     check_tied,
@@ -33,7 +33,7 @@ from lightning_par.parallel.hf_plan import (
     hf_parallel_plan,
     tag_paths,
 )
-from lightning_par.parallel.pretrained import SafetensorsWeights
+from lightning_par.parallel.pretrained import SafetensorsWeights, check_pretrained
 
 ARCHS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "gemma3_text")
 ATTENTION = ("sdpa", "eager")

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from lightning_par.parallel.contract import mark_pretrained
-from lightning_par.parallel.pretrained import SafetensorsWeights, WeightsError, check_weights
-from lightning_par.parallel.ties import tied_parameters
+from lightning_par.parallel.pretrained import SafetensorsWeights, WeightsError, check_pretrained
 
 _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
                  "summary_first_dropout", "dropout", "activation_dropout")
@@ -69,13 +68,6 @@ def pretrained_config(directory: str | Path, *, attn_implementation: str | None 
     if attn_implementation is not None:
         cfg._attn_implementation = attn_implementation
     return cfg
-
-
-def check_pretrained(net: nn.Module, weights: SafetensorsWeights) -> None:
-    """One line unless ``weights`` holds every parameter of the (meta) model ``net`` in its shape."""
-    params = {name: tuple(p.shape) for name, p in net.named_parameters()}  # a tied one under its first name
-    aliases = {other: first for first, other in tied_parameters(net)}
-    check_weights(params, weights, aliases, optional=[name for name, _ in net.named_buffers()])
 
 
 def build_pretrained(cfg: Any, directory: str | Path, device: torch.device | str | None = None, *,

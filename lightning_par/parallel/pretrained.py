@@ -18,14 +18,16 @@ Layer 1 (plain torch): every error is one line naming the path (``WeightsError``
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lightning_par import ConfigError
 
-from lightning_par.parallel.contract import pretrained_of
+from lightning_par.parallel.contract import mark_pretrained, pretrained_of
 from lightning_par.parallel.ties import tied_parameters
 
 WEIGHTS_NAME = "model.safetensors"
@@ -121,6 +123,64 @@ def weight_sources(module: torch.nn.Module) -> WeightSources | None:
     return WeightSources(sources, aliases)
 
 
+def check_pretrained(net: torch.nn.Module, weights: SafetensorsWeights) -> None:
+    """One line unless ``weights`` holds every parameter of the (meta) model ``net`` in its shape."""
+    params = {name: tuple(p.shape) for name, p in net.named_parameters()}  # a tied one under its first name
+    aliases = {other: first for first, other in tied_parameters(net)}
+    check_weights(params, weights, aliases, optional=[name for name, _ in net.named_buffers()])
+
+
+#: ``from_pretrained`` keywords the meta-device build takes (others: one line pointing at the alternative)
+_META_KWARGS = ("config", "dtype", "torch_dtype", "attn_implementation", "local_files_only", "trust_remote_code")
+
+
+@contextmanager
+def transformers_from_pretrained_on_meta() -> Iterator[None]:
+    """Inside (a strategy's meta-device init context), transformers' own ``from_pretrained(DIR)`` on a
+    local directory -- a model class's, or an Auto class's, which resolves the class and calls it --
+    builds the model on the meta device and marks it ``Pretrained(DIR)``, so the strategy fills each
+    rank's shards: what it would otherwise refuse under a meta device ("an anti-pattern"). Keywords
+    beyond the build's (``_META_KWARGS``) are accepted only at their no-op values (None, False: what
+    an Auto class passes on). Only when transformers is already imported (the user's code imports
+    it); restored on exit."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from transformers import AutoConfig, PreTrainedModel
+
+    def build(cls: type, directory: Any, kwargs: dict) -> torch.nn.Module:
+        unknown = sorted(k for k, v in kwargs.items() if k not in _META_KWARGS and v not in (None, False))
+        path = Path(str(directory))
+        if unknown or not (path / "config.json").is_file():
+            why = f"the keywords {', '.join(unknown)}" if unknown else f"{directory} (not a local save_pretrained directory)"
+            raise WeightsError(f"{cls.__name__}.from_pretrained under a lightning_par strategy cannot take {why}; "
+                               "use lightning_par.models.from_pretrained(DIR) in configure_model")
+        config = kwargs.get("config") or AutoConfig.from_pretrained(str(path), local_files_only=True)
+        options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if isinstance(dtype, torch.dtype):
+            options["dtype"] = dtype
+        net = cls._from_config(config, **options)
+        check_pretrained(net, SafetensorsWeights(path))
+        return mark_pretrained(net, str(path))
+
+    saved = PreTrainedModel.__dict__["from_pretrained"]
+    PreTrainedModel.from_pretrained = classmethod(lambda cls, d, *a, **kw: build(cls, d, _args(a, kw)))
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = saved
+
+
+def _args(args: tuple, kwargs: dict) -> dict:
+    if args:  # model_args for the model's __init__: not a layout the meta build can honour
+        raise WeightsError("from_pretrained under a lightning_par strategy takes keywords only; use "
+                           "lightning_par.models.from_pretrained(DIR) in configure_model")
+    return kwargs
+
+
 def _open(file: Path) -> object:
     """A safetensors handle of ``file`` (header parsed, data memory-mapped); one line if unreadable."""
     from safetensors import safe_open
@@ -177,4 +237,5 @@ def check_weights(expected: Mapping[str, tuple[int, ...]], weights: SafetensorsW
                            "which the model built from its config.json does not have")
 
 
-__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "SafetensorsWeights", "WeightRef", "WeightSources", "WeightsError", "check_weights", "weight_sources"]
+__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "SafetensorsWeights", "WeightRef", "WeightSources", "WeightsError", "check_pretrained", "check_weights",
+           "transformers_from_pretrained_on_meta", "weight_sources"]

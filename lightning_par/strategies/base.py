@@ -42,6 +42,7 @@ from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, 
 from lightning_par.parallel.init_trace import InitTrace
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
+from lightning_par.parallel.pretrained import transformers_from_pretrained_on_meta
 from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_par.parallel.tiling import check_tiling
 from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
@@ -203,7 +204,9 @@ class ParStrategyMixin:
         # record what the constructor does to the meta tensors: materialisation replays it for the
         # tensors that no init function sets (a cls token, a constant buffer), see parallel/init_trace.py
         trace = getattr(self, "_init_trace", None) or InitTrace()
-        with torch.device("meta"), self.precision_plugin.tensor_init_context(), trace.recording():
+        # transformers' own from_pretrained(DIR) builds on meta too, marked for each rank to read its shards
+        with torch.device("meta"), self.precision_plugin.tensor_init_context(), trace.recording(), \
+                transformers_from_pretrained_on_meta():
             yield
         self._init_trace = trace
 
