@@ -87,6 +87,7 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
     if model_kind and data_kind and model_kind != data_kind:
         raise ConfigError(f"model {type(model).__name__} takes {model_kind} but data {type(datamodule).__name__} "
                           f"gives {data_kind}; pick a matching data= (or use an experiment= preset)")
+    check_vocabulary(model, datamodule)
     validate_strategy = getattr(strategy, "validate_setup", None)
     if callable(validate_strategy):
         try:
@@ -123,6 +124,18 @@ def _restored_process_env() -> Iterator[None]:
             else:
                 os.environ[k] = v
         torch.set_num_threads(threads)
+
+
+def check_vocabulary(model: Any, datamodule: Any) -> None:
+    """One line when the data's token ids can exceed the model's vocabulary (a tokenizer larger than
+    the model's embedding: the first such id would index past it mid-run)."""
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    config = getattr(model, "hf_config", None) or getattr(model, "config", None)
+    model_vocab = getattr(config, "vocab_size", None)
+    if isinstance(data_vocab, int) and isinstance(model_vocab, int) and data_vocab > model_vocab:
+        source = getattr(datamodule, "tokenizer_dir", None) or type(datamodule).__name__
+        raise ConfigError(f"the data's vocabulary ({data_vocab} ids, {source}) is larger than the model's "
+                          f"({model_vocab}): use the model's own tokenizer, or a model with vocab >= {data_vocab}")
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
