@@ -13,7 +13,9 @@ case in a fresh process (or 2 ranks):
 
 Per case: wall time of the load (process start excluded: from just before the call to just after)
 and every rank's peak RSS (``ru_maxrss``, which counts mapped file pages it touched), against the
-full model's bytes. Under fsdp at 2 ranks the target is a per-rank peak below 0.6x the model.
+full model's bytes, with what the process held before loading (torch, Lightning and transformers
+imported) and the growth over it. Under fsdp at 2 ranks the target is a per-rank peak below 0.6x
+the model.
 
     python benchmarks/bench_pretrained_load.py                      # ~1.2B, all cases
     python benchmarks/bench_pretrained_load.py --layers 2 --cases lp_fsdp   # a quick look
@@ -65,15 +67,21 @@ LOAD = textwrap.dedent('''
     logging.disable(logging.WARNING)
     import torch
     case, directory, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    def rss_now():  # resident set size now (ru_maxrss is the peak)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
     if case == "transformers":
         from transformers import AutoModelForCausalLM
+        base = rss_now()
         start = time.perf_counter()
         net = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         # transformers may hand back tensors still backed by the file's mapping, read on first use:
         # touch every parameter once, so the time and memory are those of a model in memory
         sum(float(p.detach().sum()) for p in net.parameters())
         seconds = time.perf_counter() - start
-        json.dump({"seconds": seconds, "rss": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]}, open(out, "w"))
+        json.dump({"seconds": seconds, "rss": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
+                   "base": [base]}, open(out, "w"))
         sys.exit(0)
     import lightning as L
     import lightning_par.models
@@ -97,14 +105,16 @@ LOAD = textwrap.dedent('''
     devices = 1 if case == "lp_single" else 2
     trainer = L.Trainer(strategy=case, devices=devices, accelerator="cpu", max_steps=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    base = torch.tensor([rss_now()], dtype=torch.float64)  # imports done: what the process holds before loading
     start = time.perf_counter()
     trainer.fit(FineTune(), torch.utils.data.DataLoader(torch.zeros(4, 8, dtype=torch.long), batch_size=2))
     seconds = time.perf_counter() - start
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     gathered = trainer.strategy.all_gather(rss).flatten().tolist() if devices > 1 else rss.tolist()
+    bases = trainer.strategy.all_gather(base).flatten().tolist() if devices > 1 else base.tolist()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.lightning_module.parameters())
     if trainer.is_global_zero:
-        json.dump({"seconds": seconds, "rss": gathered, "local_params": local}, open(out, "w"))
+        json.dump({"seconds": seconds, "rss": gathered, "base": bases, "local_params": local}, open(out, "w"))
 ''')
 
 
@@ -127,7 +137,8 @@ def main() -> None:
         model_bytes = int(done.stdout.split()[-1])
         print(f"checkpoint: Llama-shaped, {model_bytes / 4 / 1e9:.2f}B parameters, fp32 {model_bytes / 2**30:.2f} GiB, "
               f"{len(list(ckpt.glob('*.safetensors')))} files; torch threads 1 per process; CPU")
-        print(f"{'case':14s} {'ranks':>5s} {'load s':>8s} {'peak RSS per rank (GiB)':>26s} {'max / model':>12s}")
+        print(f"{'case':14s} {'ranks':>5s} {'load s':>8s} {'peak RSS per rank (GiB)':>26s} {'max / model':>12s} "
+              f"{'before load (GiB)':>18s} {'(peak - before) / model':>24s}")
         script = Path(tmp) / "load.py"  # a file: Lightning's launcher starts the other ranks by re-running it
         script.write_text(LOAD)
         for case in a.cases:
@@ -139,7 +150,9 @@ def main() -> None:
             r = json.loads(out.read_text())
             ranks = len(r["rss"])
             per_rank = " ".join(f"{x / 2**30:.2f}" for x in r["rss"])
-            print(f"{case:14s} {ranks:5d} {r['seconds']:8.1f} {per_rank:>26s} {max(r['rss']) / model_bytes:12.2f}")
+            grown = max(p - b for p, b in zip(r["rss"], r["base"]))
+            print(f"{case:14s} {ranks:5d} {r['seconds']:8.1f} {per_rank:>26s} {max(r['rss']) / model_bytes:12.2f} "
+                  f"{max(r['base']) / 2**30:18.2f} {grown / model_bytes:24.2f}")
 
 
 if __name__ == "__main__":
