@@ -230,7 +230,7 @@ def check_field_names(argv: list[str]) -> None:
     for key in fields:
         node, done = cfg, []
         for part in key.split("."):
-            if not isinstance(node, DictConfig) or part in node:
+            if not isinstance(node, DictConfig) or part in node.keys():  # `in node` is False for a ??? value
                 # the node, unresolved: ${hydra:...} cannot resolve before Hydra runs the job
                 node = node._get_node(part) if isinstance(node, DictConfig) else None
                 done.append(part)

@@ -319,6 +319,7 @@ CHECKED_ELSEWHERE: dict[str, str] = {
     "ckpt_path": "strategies.checkpoint.check_checkpoint (names the file)",
     "trainer.precision": "train.validate (Lightning's precision names)",
     "data.files": "TextDataModule._check_files (names the file)",
+    "data.path": "TokenFileDataModule (names the file: glob, header, size, corpus length)",
     "model.optimizer": "optim.OptimizerConfig (OPTIMIZERS)",
     "model.preset": "GPTModule / MoEModule (their PRESETS)",
     "model.gating": "models.moe.MoEConfig (GATINGS)",
@@ -359,7 +360,10 @@ NOT_CHECKED: tuple[str, ...] = (
 
 def check_config_values(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` (one line: ``<key>=<value as given>: expected ...``) for the first value in
-    ``cfg`` that ``TABLE`` refuses; plain values first, then interpolated ones."""
+    ``cfg`` that ``TABLE`` refuses; plain values first, then interpolated ones. A value the yaml leaves
+    for the user (``???``, e.g. ``data.path`` of ``data=tokens``) and that is still unset comes first."""
+    for key in _missing(cfg):
+        raise ConfigError(f"{key} needs a value: add {key}=... to the command line")
     given = _given_values()
     later = []
     for key, spec in TABLE.items():
@@ -374,6 +378,27 @@ def check_config_values(cfg: DictConfig) -> None:
     for key, spec, value in later:
         if not spec.test(value):
             _refuse(key, spec, value, given)
+
+
+def _missing(cfg: DictConfig) -> list[str]:
+    """Keys still ``???`` outside Hydra's own node (whose run-time values are unset before a job runs),
+    found without resolving any interpolation."""
+    out = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key in node.keys():
+            child = node._get_node(key)
+            path = f"{prefix}{key}"
+            if path == "hydra":
+                continue
+            if isinstance(child, (DictConfig, ListConfig)) and not child._is_missing() and not child._is_none() \
+                    and not child._is_interpolation():
+                walk(child, path + ".") if isinstance(child, DictConfig) else None
+            elif child is not None and child._is_missing():
+                out.append(path)
+
+    walk(cfg, "")
+    return out
 
 
 def _refuse(key: str, spec: Spec, value: Any, given: dict[str, str]) -> None:

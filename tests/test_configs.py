@@ -7,16 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from lightning_par import ConfigError
 from lightning_par.cli import check_group_choices
 from lightning_par.strategies.base import ParStrategyMixin
 from tests.helpers import composed, run_cli
+from tests.test_tokens import write_tokens
 
 CONF = Path(__file__).resolve().parents[1] / "lightning_par" / "conf"
 
@@ -50,11 +52,14 @@ def test_model_yaml_instantiates(name):
 
 
 @pytest.mark.parametrize("name", names("data"))
-def test_data_yaml_instantiates(name):
+def test_data_yaml_instantiates(name, tmp_path):
     cfg = composed(f"data={name}")
     with open_dict(cfg):
         if "max_bytes" in cfg.data:
             cfg.data.max_bytes = 100_000
+        if OmegaConf.is_missing(cfg.data, "path"):  # data=tokens: a small token file of its own
+            write_tokens(tmp_path / "t.bin", np.arange(10_000, dtype=np.uint16))
+            cfg.data.path = str(tmp_path / "t.bin")
     dm = instantiate(cfg.data)
     dm.setup("fit")
     x, y = dm.train_set[0]

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     # device peak table, optimizer building, Lightning's logging cadence, job bookkeeping: error.json, run dirs)
     "lightning_par": 0, "lightning_par.dtypes": 0, "lightning_par.devices": 0, "lightning_par.optim": 0,
     "lightning_par.logging_steps": 0, "lightning_par.jobs": 0, "lightning_par.conf": 0,  # conf: the yaml, no code
+    "lightning_par.token_format": 0,  # the token file's layout (numpy): prepare's workers import no Lightning
     "lightning_par.parallel": 1,  # techniques: plain torch
     "lightning_par.strategies": 2,  # Lightning strategies, the catalogue
     "lightning_par.models": 3,
@@ -32,7 +33,7 @@ LAYERS: dict[str, int] = {
     "lightning_par.memory_check": 7, "lightning_par.config_values": 7, "lightning_par.tiling_option": 7,
     # the app around it: modes beside training, the command line, reports, the collectives benchmark
     "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8,
-    "lightning_par.collectives": 8,
+    "lightning_par.collectives": 8, "lightning_par.prepare": 8,
 }
 NAMES = {0: "base", 1: "parallel", 2: "strategies", 3: "models", 4: "data", 5: "callbacks", 6: "costs",
          7: "entry", 8: "app"}

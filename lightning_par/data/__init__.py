@@ -9,6 +9,7 @@ from lightning_par.data.datamodules import (
     micro_batch_size,
 )
 from lightning_par.data.sampler import DataParallelSampler
+from lightning_par.data.tokens import TokenFileDataModule
 
 __all__ = ["DataParallelSampler", "ParDataModule", "SyntheticImages", "SyntheticTokens", "SyntheticVectors",
-           "TextDataModule", "micro_batch_size"]
+           "TextDataModule", "TokenFileDataModule", "micro_batch_size"]
