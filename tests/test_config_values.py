@@ -202,12 +202,13 @@ def test_every_shipped_config_passes(group):
     leaves to the user, data=tokens' path, given); left unset, it is one line naming it."""
     for name in names(group):
         cfg = composed(f"{group}={name}")
-        node = cfg.get(group)
-        if isinstance(node, DictConfig) and "path" in node.keys() and OmegaConf.is_missing(node, "path"):
-            with pytest.raises(ConfigError, match=rf"^{group}.path needs a value: add {group}.path=\.\.\. to"):
-                check_config_values(cfg)
-            cfg = composed(f"{group}={name}", f"{group}.path=corpus.bin")
-        check_config_values(cfg)
+        node, given = cfg.get(group), []
+        missing = [k for k in (node.keys() if isinstance(node, DictConfig) else []) if OmegaConf.is_missing(node, k)]
+        for key in missing:  # data=tokens' path, data=hf_dataset's path and tokenizer: one line each, in order
+            with pytest.raises(ConfigError, match=rf"^{group}.{key} needs a value: add {group}.{key}=\.\.\. to"):
+                check_config_values(composed(f"{group}={name}", *given))
+            given.append(f"{group}.{key}=somewhere")
+        check_config_values(composed(f"{group}={name}", *given))
 
 
 def test_every_key_of_every_shipped_config_is_declared():

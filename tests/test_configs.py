@@ -18,6 +18,7 @@ from lightning_par import ConfigError
 from lightning_par.cli import check_group_choices
 from lightning_par.strategies.base import ParStrategyMixin
 from tests.helpers import composed, run_cli
+from tests.test_hf_dataset import tiny_dataset_and_tokenizer
 from tests.test_tokens import write_tokens
 
 CONF = Path(__file__).resolve().parents[1] / "lightning_par" / "conf"
@@ -57,7 +58,10 @@ def test_data_yaml_instantiates(name, tmp_path):
     with open_dict(cfg):
         if "max_bytes" in cfg.data:
             cfg.data.max_bytes = 100_000
-        if OmegaConf.is_missing(cfg.data, "path"):  # data=tokens: a small token file of its own
+        if name == "hf_dataset":  # a saved dataset and a tokenizer of its own
+            cfg.data.path, cfg.data.tokenizer = tiny_dataset_and_tokenizer(tmp_path)
+            cfg.data.field, cfg.data.seq_len = "body", 16
+        elif OmegaConf.is_missing(cfg.data, "path"):  # data=tokens: a small token file of its own
             write_tokens(tmp_path / "t.bin", np.arange(10_000, dtype=np.uint16))
             cfg.data.path = str(tmp_path / "t.bin")
     dm = instantiate(cfg.data)
