@@ -96,3 +96,37 @@ def test_readme_recipes_run_as_written(tmp_path: Path) -> None:
         assert len(tokenizer) <= model.config.vocab_size < len(tokenizer) + 64
     summary = json.loads((tmp_path / "finetune" / "summary.json").read_text())
     assert summary["losses"][-1] < summary["losses"][0], summary["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_fine_tune_on_token_files_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
+    """data=tokens under fsdp x2, a checkpoint at step 4 of 8 (mid-epoch), resumed under ddp x2: steps 5-8
+    give the uninterrupted run's losses (rtol 1e-5), from the loaded pretrained Llama."""
+    import numpy as np
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", ASSETS, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "lightning_par.prepare", "corpus.jsonl", "--tokenizer", "llama",
+                           "--out", "corpus.bin", "--workers", "1"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    common = ["model=hf_causal_lm", "model.pretrained=llama", "data=tokens", "data.path=corpus.bin", "data.seq_len=32",
+              "data.global_batch_size=8", "trainer.devices=2", "trainer.max_steps=8", "trainer.limit_val_batches=0"]
+
+    def run(name: str, *extra: str) -> list[float]:
+        done = subprocess.run([sys.executable, str(ROOT / "run.py"), *common, *extra, f"hydra.run.dir={name}"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((tmp_path / name / "summary.json").read_text())["losses"]
+
+    whole = run("whole", "strategy=fsdp", "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=4")
+    resumed = run("resumed", "strategy=ddp", "ckpt_path=whole/checkpoints/step000004.ckpt")
+    # the resumed summary carries the checkpoint's first 4 losses and its own 4 after them
+    assert len(whole) == len(resumed) == 8, (whole, resumed)
+    np.testing.assert_allclose(resumed[4:], whole[4:], rtol=1e-5, atol=1e-6)
+    assert resumed[:4] == whole[:4]
+    log = (tmp_path / "resumed" / "run.log").read_text()  # it did resume (a fresh 8-step run would match too)
+    assert "Restored all states from the checkpoint at whole/checkpoints/step000004.ckpt" in log
