@@ -264,8 +264,8 @@ def test_not_a_checkpoint_directory(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         check_checkpoint(tmp_path / "nope")
     (tmp_path / "file.ckpt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="is a file"):
-        check_checkpoint(tmp_path / "file.ckpt")
+    with pytest.raises(CheckpointError, match="file.ckpt is not a readable Lightning checkpoint"):
+        check_checkpoint(tmp_path / "file.ckpt")  # a file: Lightning's single-file format, converted when loaded
     check_checkpoint(None)
     check_checkpoint("last")  # Lightning resolves its own names
 

@@ -55,8 +55,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from lightning_par import ConfigError
 from lightning_par.parallel.hf_plan import find_hf_model
+from lightning_par.strategies.checkpoint_errors import CheckpointError, _cause
+from lightning_par.strategies.lightning_file import check_lightning_file, load_lightning_file
 from lightning_par.parallel.materialize import canonical_name
 
 #: the model's key in the DCP payload: Lightning's sharded layout (its consolidate tool renames it to state_dict)
@@ -64,10 +65,6 @@ MODEL_KEY = "model"
 _LEGACY_MODEL_KEY = "state_dict"  # what lightning_par wrote before; still loaded
 #: ``ckpt_path`` values Lightning resolves itself (not paths)
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed from (missing, incomplete, damaged); one line naming the file."""
 
 
 # a parameter's name without wrapper components (activation checkpointing, torch.compile, FSDP1):
@@ -100,23 +97,6 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-def _cause(exc: BaseException, limit: int = 200) -> str:
-    """The informative line of ``exc``'s message (torch's safe-loading errors bury it mid-text; DCP
-    wraps each rank's error with its traceback)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, CheckpointException) and failures:
-        rank, wrapped = min(failures.items(), key=lambda item: item[0])
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        return f"rank {rank}: {type(inner).__name__}: {_cause(inner, limit)}"
-    text = " ".join(str(exc).split())
-    for marker in ("Unsupported global:", "Unsupported operand"):
-        if marker in text:
-            text = text[text.index(marker):]
-            break
-    text = text.split(". ", 1)[0] or type(exc).__name__  # the first sentence
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def check_checkpoint(path: str | Path | None) -> None:
     """Raise ``CheckpointError`` (one line naming the file) unless ``path`` is a complete, readable
     lightning_par checkpoint directory. Cheap (reads ``.metadata`` and ``meta.pt``, stats the shard
@@ -129,9 +109,9 @@ def check_checkpoint(path: str | Path | None) -> None:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is a file; lightning_par resumes from checkpoint directories "
-                              f"(DCP shard files, .metadata and {_METADATA_FILENAME})")
+    if not path.is_dir():  # a Lightning single-file checkpoint (its own strategies'): converted when loaded
+        check_lightning_file(path)
+        return
     metadata_file = path / ".metadata"
     if not metadata_file.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no .metadata (written last, after every shard)")
@@ -300,6 +280,8 @@ class DistributedCheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         check_checkpoint(path)  # again here: a run started without the launcher's check gets the same one line
+        if path.is_file():
+            return load_lightning_file(self, path, weights_only)
         saved = {k.split(".", 1)[0] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
         model_key = MODEL_KEY if MODEL_KEY in saved else _LEGACY_MODEL_KEY
         module = self.lightning_module
