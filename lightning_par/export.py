@@ -43,7 +43,8 @@ from lightning_par.strategies.checkpoint import MODEL_KEY, check_checkpoint
 #: safetensors' dtype names
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
+           torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64"}
 _CAST = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -176,7 +177,7 @@ def write_safetensors(file: Path, items: Sequence[OutTensor], produce: Callable[
             if tuple(t.shape) != tuple(item.shape) or t.dtype != item.dtype:
                 raise RuntimeError(f"export: {item.name} came out {tuple(t.shape)} {t.dtype}, "
                                    f"expected {item.shape} {item.dtype}")
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -204,8 +205,14 @@ def shard(items: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
 def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: str = "keep",
            tokenizer: str | Path | None = None, overwrite: bool = False) -> str:
     """Export ``checkpoint`` to ``out``; returns what was written (one line)."""
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = Path(checkpoint), Path(out).resolve()
+    if checkpoint.is_file():
+        raise ConfigError(f"export: {checkpoint} is a single-file checkpoint; export reads lightning_par's checkpoint "
+                          "directories (resume the file under an lp_ strategy with callbacks.export.at_end=true)")
     check_checkpoint(checkpoint)
+    if out == Path.cwd().resolve() or out in checkpoint.resolve().parents or out == checkpoint.resolve() \
+            or out == Path(out.anchor):
+        raise ConfigError(f"export: {out} is the current directory, a root, or holds the checkpoint; name a new directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConfigError(f"export: {out} exists and is not empty (pass --overwrite to replace it)")
     meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=True)
@@ -249,8 +256,9 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
                      "weight_map": {i.name: name for name, group in zip(names, groups) for i in group}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
         if cfg is not None:
-            if cast is not None:
-                cfg.dtype = cast
+            floats = {i.dtype for i in items if i.dtype.is_floating_point}
+            if len(floats) == 1:  # the dtype transformers' dtype="auto" loads: the one written
+                cfg.dtype = floats.pop()
             cfg.save_pretrained(tmp)
         if tok is not None:
             tok.save_pretrained(str(tmp))

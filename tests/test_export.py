@@ -191,6 +191,9 @@ def test_bad_export_input_is_one_line(trained: Path, tmp_path: Path) -> None:
         (str(checkpoint), str(tmp_path / "file" / "out")): "cannot write",
         (str(checkpoint), str(tmp_path / "b"), "--max-shard-size", "lots"): "is not a size",
         (str(checkpoint), str(tmp_path / "c"), "--tokenizer", str(tmp_path / "full")): "tokenizer",
+        (str(checkpoint), "."): "is the current directory",  # --overwrite would have removed it
+        (str(checkpoint), str(checkpoint.parent), "--overwrite"): "holds the checkpoint",
+        (str(tmp_path / "file"), str(tmp_path / "d")): "is a single-file checkpoint",
     }
     for args, expected in cases.items():
         proc = _export(*args)

@@ -242,6 +242,25 @@ def test_bad_checkpoints_get_one_line_naming_the_path(checkpoints: Path, tmp_pat
     assert "not know as a causal language model" in error(seq2seq)
 
 
+def test_the_run_dtype_wins_and_meta_outside_a_strategy_is_refused(checkpoints: Path, tmp_path: Path) -> None:
+    """A checkpoint saved in bf16 is built in the run's dtype (fp32 here), not config.json's; on the meta
+    device outside a lightning_par strategy nothing would read the weights: one line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import lightning_par.models
+    from lightning_par import ConfigError
+    from lightning_par.models.pretrained import build_pretrained, pretrained_config
+
+    AutoModelForCausalLM.from_pretrained(checkpoints / "qwen2").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    cfg = pretrained_config(tmp_path / "bf16")
+    assert str(cfg.dtype).endswith("bfloat16")
+    net = build_pretrained(cfg, tmp_path / "bf16", "meta")
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    with torch.device("meta"), pytest.raises(ConfigError, match="outside a lightning_par strategy"):
+        lightning_par.models.from_pretrained(tmp_path / "bf16")
+
+
 def test_outside_a_strategy_from_pretrained_is_transformers_loading(checkpoints: Path) -> None:
     """On a real device (a plain Trainer, a notebook) the call loads the weights itself."""
     import torch

@@ -88,7 +88,10 @@ class HFDatasetModule(ParDataModule):
     def _build(self) -> tuple[Dataset, Dataset]:
         tokens = self.read_tokens()
         windows = (len(tokens) - 1) // self.seq_len
-        n_val = max(1, int(windows * self.val_fraction)) if self.val_fraction > 0 else 0
+        n_val = min(max(1, int(windows * self.val_fraction)), windows - 1) if self.val_fraction > 0 else 0
+        if windows - n_val < 1 or (self.val_fraction > 0 and n_val < 1):
+            raise ConfigError(f"data.path: {self.path} gives {windows} window(s) of seq_len={self.seq_len}: too few "
+                              "for a training and a validation set; lower data.seq_len or add data")
         cut = (windows - n_val) * self.seq_len
         return WindowDataset(tokens[: cut + 1], self.seq_len), WindowDataset(tokens[cut:], self.seq_len)
 

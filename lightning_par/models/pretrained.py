@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_par.parallel.contract import mark_pretrained
-from lightning_par.parallel.pretrained import SafetensorsWeights, WeightsError, check_pretrained
+from lightning_par.parallel.pretrained import SafetensorsWeights, WeightsError, check_pretrained, in_strategy_init
 
 _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
                  "summary_first_dropout", "dropout", "activation_dropout")
@@ -78,7 +78,8 @@ def build_pretrained(cfg: Any, directory: str | Path, device: torch.device | str
     auto = _transformers().AutoModelForCausalLM
     device = torch.device(device) if device is not None else _current_device()
     with torch.device("meta"):
-        meta = auto.from_config(cfg, attn_implementation=cfg._attn_implementation)
+        # the run's dtype (Lightning's precision sets the default), not the one config.json was saved in
+        meta = auto.from_config(cfg, attn_implementation=cfg._attn_implementation, dtype=torch.get_default_dtype())
     if check:
         check_pretrained(meta, SafetensorsWeights(directory))
     if device.type == "meta":
@@ -98,7 +99,12 @@ def from_pretrained(directory: str | Path, *, attn_implementation: str = "sdpa",
     config fields (``rope_theta=...``). One line (``WeightsError``) for a directory that is not a
     causal LM's checkpoint or whose tensors do not match its config."""
     cfg = pretrained_config(directory, attn_implementation=attn_implementation, dropout=dropout, **config)
-    return build_pretrained(cfg, directory)
+    net = build_pretrained(cfg, directory)
+    if any(p.is_meta for p in net.parameters()) and not in_strategy_init():
+        raise WeightsError(f"from_pretrained({directory}) on the meta device outside a lightning_par strategy: "
+                           "nothing would read the weights (call it in configure_model under an lp_ strategy, "
+                           "or on a real device)")
+    return net
 
 
 def _current_device() -> torch.device:

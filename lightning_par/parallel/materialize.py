@@ -209,6 +209,8 @@ def _copy_local(target: torch.Tensor, full: torch.Tensor | WeightRef, rows: slic
         shape = full.shape if rows is None else (rows.stop - rows.start, *full.shape[1:])
         local, offset = compute_local_shape_and_global_offset(torch.Size(shape), target.device_mesh,
                                                               target.placements)
+        if 0 in tuple(local):
+            return  # an empty shard (fewer rows than ranks): nothing to read, and its offset is past the end
         index = [slice(o, o + n) for o, n in zip(offset, local)]
         if rows is not None:
             index[0] = slice(rows.start + index[0].start, rows.start + index[0].stop)

@@ -17,6 +17,7 @@ Layer 1 (plain torch): every error is one line naming the path (``WeightsError``
 
 from __future__ import annotations
 
+import contextvars
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -70,9 +71,9 @@ class SafetensorsWeights:
         mapped for this read only: pages of a mapping count in the process's resident memory for as
         long as it stays open, so a rank that kept its files open would end up resident with every
         page it ever read -- about twice its shards -- instead of its shards alone."""
-        piece = _open(self._files[key]).get_slice(key)
+        handle = _open(self._files[key])
         try:
-            return piece[index] if index else piece[:]
+            return handle.get_slice(key)[index] if index else handle.get_tensor(key)
         except Exception as e:  # noqa: BLE001 - a truncated file fails here, not at open
             raise WeightsError(f"pretrained weights: cannot read {key} from {self._files[key]} ({e})") from None
 
@@ -130,8 +131,16 @@ def check_pretrained(net: torch.nn.Module, weights: SafetensorsWeights) -> None:
     check_weights(params, weights, aliases, optional=[name for name, _ in net.named_buffers()])
 
 
-#: ``from_pretrained`` keywords the meta-device build takes (others: one line pointing at the alternative)
-_META_KWARGS = ("config", "dtype", "torch_dtype", "attn_implementation", "local_files_only", "trust_remote_code")
+#: ``from_pretrained`` keywords the meta-device build takes, or that an Auto class passes on whatever the
+#: call (others: one line pointing at the alternative)
+_META_KWARGS = ("config", "dtype", "torch_dtype", "attn_implementation", "local_files_only", "trust_remote_code",
+                "_from_auto", "_from_pipeline", "adapter_kwargs", "revision", "_commit_hash")
+_IN_STRATEGY_INIT = contextvars.ContextVar("lightning_par_strategy_init", default=False)
+
+
+def in_strategy_init() -> bool:
+    """Whether a lightning_par strategy's meta-device init context is active (it fills pretrained weights)."""
+    return _IN_STRATEGY_INIT.get()
 
 
 @contextmanager
@@ -146,7 +155,11 @@ def transformers_from_pretrained_on_meta() -> Iterator[None]:
     import sys
 
     if "transformers" not in sys.modules:
-        yield
+        token = _IN_STRATEGY_INIT.set(True)
+        try:
+            yield
+        finally:
+            _IN_STRATEGY_INIT.reset(token)
         return
     from transformers import AutoConfig, PreTrainedModel
 
@@ -160,18 +173,20 @@ def transformers_from_pretrained_on_meta() -> Iterator[None]:
         config = kwargs.get("config") or AutoConfig.from_pretrained(str(path), local_files_only=True)
         options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        if isinstance(dtype, torch.dtype):
-            options["dtype"] = dtype
+        # a dtype asked for, else the run's (Lightning's precision sets the default), not config.json's
+        options["dtype"] = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
         net = cls._from_config(config, **options)
         check_pretrained(net, SafetensorsWeights(path))
         return mark_pretrained(net, str(path))
 
     saved = PreTrainedModel.__dict__["from_pretrained"]
     PreTrainedModel.from_pretrained = classmethod(lambda cls, d, *a, **kw: build(cls, d, _args(a, kw)))
+    token = _IN_STRATEGY_INIT.set(True)
     try:
         yield
     finally:
         PreTrainedModel.from_pretrained = saved
+        _IN_STRATEGY_INIT.reset(token)
 
 
 def _args(args: tuple, kwargs: dict) -> dict:

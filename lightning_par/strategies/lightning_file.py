@@ -40,7 +40,7 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
 def check_lightning_file(path: Path) -> None:
     """One line unless ``path`` is a readable Lightning checkpoint file with a model state."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", mmap=True)  # torch's safe default: tensors and plain data
     except Exception as e:  # noqa: BLE001 - truncated zip, empty file: all unreadable
         raise CheckpointError(f"checkpoint file {path} is not a readable Lightning checkpoint: {_cause(e)}") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -50,7 +50,7 @@ def check_lightning_file(path: Path) -> None:
 def load_lightning_file(strategy: Any, path: Path, weights_only: bool | None) -> dict[str, Any]:
     """Load ``path`` into ``strategy``'s model and optimizers; returns the rest for Lightning."""
     check_lightning_file(path)
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)  # None: torch's default
     module = strategy.lightning_module
     targets = {canonical_fqn(n): t for n, t in module.state_dict(keep_vars=True).items()}
     state = {canonical_fqn(k): v for k, v in checkpoint.pop("state_dict").items()}
@@ -101,6 +101,9 @@ def _by_name(torch_state: dict[str, Any], optimizer: torch.optim.Optimizer, modu
 def _fill(template: Any, full: Any, path: Path, where: str = "") -> None:
     """Copy ``full``'s values into ``template``'s tensors, each its local piece (a DTensor's shard)."""
     if isinstance(template, dict):
+        if where == "state." and isinstance(full, dict):  # parameters that never stepped have no saved state:
+            for key in [k for k in template if k not in full]:  # they keep the fresh state, as in Lightning
+                del template[key]
         for key, value in template.items():
             if key == "param_groups" and isinstance(full, dict) and "param_groups" in full:
                 for mine, saved in zip(value, full["param_groups"]):  # the saved hyper-parameters (lr as stepped)
@@ -116,6 +119,9 @@ def _fill(template: Any, full: Any, path: Path, where: str = "") -> None:
     if not isinstance(template, torch.Tensor):
         return
     source = torch.as_tensor(full).to(template.dtype)
+    if source.numel() > 1 and tuple(source.shape) != tuple(template.shape):  # a DTensor's shape is the global one
+        raise CheckpointError(f"checkpoint file {path}: optimizer state {where.rstrip('.')} has shape "
+                              f"{tuple(source.shape)}, this run's has {tuple(template.shape)} (groups in another order?)")
     if isinstance(template, DTensor):
         piece = distribute_tensor(source.to(template.device), template.device_mesh, template.placements,
                                   src_data_rank=None)
