@@ -1,48 +1,55 @@
 """Strategy advisor: which strategy for this model on this cluster, and the command that runs it.
 
-Every candidate is priced by the cost model (``lightning_par.estimate``: per-rank *peak* of a step,
-activations and transients included) and by the communication model (``lightning_par.costs.comm``:
-payload bytes per step and rank, by collective and mesh axis; time = bytes x bus factor / link
-bandwidth, the within-node bandwidth for axes inside a node and the between-node one for axes that
-span nodes). A plan "fits" when its predicted peak is within ``headroom`` of device memory; the
-advisor never recommends one that does not (it says so and exits non-zero instead).
+Every candidate plan is priced three ways, at the same global batch (sequences per optimizer step):
 
-The candidates are the strategy catalogue's (``strategies/catalog.py``): each entry says which plans
-it offers on a cluster (``StrategyEntry.advise``) and in which order they are tried
-(``preference``). The decision tree (the field's standard notes):
+- memory, by the cost model (``lightning_par.estimate``: the per-rank *peak* of a step, activations and
+  transients included; offloaded states in host memory, per node);
+- communication, by ``lightning_par.costs.comm`` (payload bytes per step and rank, by collective and
+  mesh axis; time = bytes x bus factor / link bandwidth, the within-node bandwidth for axes inside a
+  node and the between-node one for axes that span nodes);
+- step time, by ``lightning_par.costs.step_time``: compute (model FLOPs of the rank's share at an
+  efficiency of the device peak, recomputation included) + the communication not hidden behind
+  compute + the pipeline bubble + the offloaded optimizer step; and the MFU that implies.
 
-1. the whole step fits one device -> ``single`` (one device) or ``ddp``; on one device the next try
-   is 8-bit optimizer states (``model.optimizer=adamw8bit``, torchao's AdamW8bit: 2 bytes of state
-   per parameter instead of 8) before anything is offloaded;
-2. else the least sharding that fits: ``zero1`` -> ``zero2`` -> ``fsdp`` (ZeRO-3), then ``hsdp``
-   (shard within a node) and the model-parallel cuts ``fsdp_tp`` (TP within a node) and ``3d``
-   (TP within nodes, pipeline stages across nodes). On several nodes with slow links the fitting
-   candidate with the least predicted communication time wins;
-3. nothing fits, or a single layer is too large to all-gather: ZeRO-3 with CPU offload
-   (``zero3_offload``), and memory-centric tiling (``strategy.tiling``) of every linear whose FSDP
-   unit does not fit; the embedding cannot be tiled, so a vocabulary too large for one device goes
-   to tensor parallelism within a node.
+A plan "fits" when its peak is within ``headroom`` of device memory and, when ``host_memory_gb`` is
+stated, its offloaded states are within ``headroom`` of a node's host memory. **Among the plans that
+fit, the one with the least predicted step time wins** (within 2% of each other, the catalogue's
+preference decides: the less machinery). The advisor never recommends a plan that does not fit (it
+says so and exits non-zero instead).
+
+The candidates are the strategy catalogue's (``strategies/catalog.py``: ``StrategyEntry.advise``), and
+for each of them the variants a practitioner would try:
+
+- the micro-batch size: the given one and larger ones up to what the batch allows (fewer, larger
+  micro-batches re-gather FSDP units less often and have larger pipeline bubbles);
+- gradient accumulation, or the pipeline's micro-batch count, to reach the global batch;
+- FSDP mixed precision for every FSDP-sharded plan under ``bf16-mixed``: parameters gathered in bf16,
+  gradients reduced in fp32 (``strategy.param_dtype=bf16 strategy.reduce_dtype=fp32``);
+- sequence parallelism for tensor-parallel plans, the interleaved 1F1B schedule for pipelines;
+- 8-bit optimizer states (torchao's AdamW8bit) on one device, CPU offload (``zero3_offload``), and
+  when nothing else fits, memory-centric tiling (``strategy.tiling``) of every linear whose FSDP unit
+  does not fit.
 
 Mixture-of-experts models add expert parallelism (``expert_parallel``, ep = the largest divisor of
-the expert count within a node, the rest replicated or FSDP): when the step fits every device the
-experts are replicated (ddp: its all-reduce overlaps backward, the all-to-all of tokens would sit
-on every MoE layer's critical path); otherwise the fitting plan with the least predicted
-communication time wins -- expert parallelism trades the experts' all-reduce or all-gathers for an
-all-to-all of the routed tokens, which wins when the experts are large next to the tokens routed.
-The cost model does not price tensor parallelism of an MoE model (its MoE layers run whole on every
-tp rank), so fsdp_tp / 3d are not offered for it.
+the expert count within a node, the rest replicated or FSDP); its all-to-all of the routed tokens is
+on the critical path, the experts' gradient reduction it saves is not. The cost model does not price
+tensor parallelism of an MoE model (its MoE layers run whole on every tp rank), so fsdp_tp / 3d are
+not offered for it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_par.costs import comm as comm_model
 from lightning_par.costs.activations import Shape, dtypes
+from lightning_par.costs.step_time import Device, StepTime, step_time
 from lightning_par.estimate import GIB, MemoryEstimate, bytes_per_param, estimate, layout
-from lightning_par.strategies.catalog import CATALOG, Fleet
+from lightning_par.strategies.catalog import CATALOG, Fleet, Option, StrategyEntry
 
 TILES = (2, 4, 8, 16, 32, 64)
+MICRO_STEPS = (1, 2, 4, 8, 16)  # micro-batch sizes tried: the given one times these
+TIE = 0.02  # step times within 2% of the fastest are a tie, broken by the catalogue's preference
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,18 @@ class Cluster:
     device_memory_gb: float = 80.0  # GiB per device
     intra_node_gbs: float = 300.0  # GB/s per device within a node (NVLink-class)
     inter_node_gbs: float = 25.0  # GB/s per device between nodes (InfiniBand-class; Ethernet: ~3)
+    peak_tflops: float = 989.0  # dense bf16 TFLOP/s per device (H100 SXM)
+    efficiency: float = 0.5  # fraction of the peak a training step's matmuls reach
+    host_link_gbs: float = 25.0  # device <-> host GB/s per device (offload)
+    host_memory_gb: float | None = None  # GiB of host memory per node; None: not stated (not checked)
 
     @property
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def device(self) -> Device:
+        return Device(self.peak_tflops, self.efficiency, self.host_link_gbs)
 
 
 @dataclass
@@ -67,15 +82,29 @@ class Candidate:
     comm_seconds: float
     fits: bool
     global_batch: int = 1
+    time: StepTime | None = None
+    micro: int = 1  # sequences per forward on one rank
+    steps: int = 1  # forwards per optimizer step: accumulated, or the pipeline's micro-batches
+    host_bytes: int = 0  # offloaded states per node
+    preference: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.time.total if self.time is not None else float("inf")
 
     @property
     def label(self) -> str:
-        extra = "x".join(o.split("=", 1)[1] for o in self.overrides if o.startswith(("strategy.tp=", "strategy.pp=")))
+        o = self.overrides
+        extra = "x".join(w.split("=", 1)[1] for w in o if w.startswith(("strategy.tp=", "strategy.pp=")))
         if self.strategy == "expert_parallel":  # e.g. "expert_parallel (ep8, fsdp)"
-            extra = ", ".join([f"ep{o.split('=', 1)[1]}" for o in self.overrides if o.startswith("strategy.ep=")] + [
-                o.split("=", 1)[1] for o in self.overrides if o.startswith("strategy.data_parallel=")])
-        return self.strategy + (" tiled" if any("tiling" in o for o in self.overrides) else "") + (
-            " 8-bit" if "model.optimizer=adamw8bit" in self.overrides else "") + (f" ({extra})" if extra else "")
+            extra = ", ".join([f"ep{w.split('=', 1)[1]}" for w in o if w.startswith("strategy.ep=")] + [
+                w.split("=", 1)[1] for w in o if w.startswith("strategy.data_parallel=")])
+        flags = [name for key, name in (("tiling", "tiled"), ("model.optimizer=adamw8bit", "8-bit"),
+                                        ("strategy.sequence_parallel=true", "sp"),
+                                        ("strategy.schedule=interleaved_1f1b", "interleaved"),
+                                        ("strategy.param_dtype=bf16", "bf16-gather"))
+                 if any(key in w for w in o)]
+        return " ".join([self.strategy, *flags]) + (f" ({extra})" if extra else "")
 
 
 @dataclass
@@ -87,6 +116,7 @@ class Advice:
     candidates: list[Candidate] = field(default_factory=list)
     model_overrides: list[str] = field(default_factory=list)
     precision: str = "bf16-mixed"
+    chosen: Candidate | None = None
 
     def command(self) -> str:
         """The complete command: strategy, model, data and trainer overrides."""
@@ -95,15 +125,24 @@ class Advice:
         return " ".join(["python run.py", f"strategy={self.strategy}", *self.model_overrides,
                          f"trainer.precision={self.precision}", *self.overrides])
 
-    def table(self, budget: float) -> str:
-        head = (f"{'candidate':<34}{'peak GiB':>10}{'acts':>8}{'transient':>10}{'fits':>6}"
-                f"{'comm GB/step':>14}{'comm s/step':>13}")
+    def table(self, budget: float, per_strategy: int = 3) -> str:
+        """The chosen plan, the others that fit, fastest first, then those that do not; at most
+        ``per_strategy`` variants of each strategy (each at its fastest fitting micro-batch, else its smallest peak)."""
+        head = (f"{'candidate':<40}{'mb x n':>8}{'peak GiB':>10}{'host GiB':>10}{'fits':>6}"
+                f"{'comm GB/step':>14}{'comm s/step':>13}{'step s':>9}{'MFU':>7}")
         lines = [head, "-" * len(head)]
-        for c in self.candidates:
-            m = c.memory
-            lines.append(f"{c.label:<34}{m.peak / GIB:>10.2f}{m.activations / GIB:>8.2f}{m.transient / GIB:>10.2f}"
-                         f"{'yes' if c.fits else 'NO':>6}{c.comm_bytes / 1e9:>14.2f}{c.comm_seconds:>13.3f}")
-        return "\n".join(lines + [f"(fits: peak <= {budget / GIB:.1f} GiB usable)"])
+        shown: dict[str, int] = {}
+        rows = [c for c in sorted(self.candidates, key=lambda c: (c is not self.chosen, not c.fits, c.seconds))
+                if (shown.__setitem__(c.strategy, shown.get(c.strategy, 0) + 1) or shown[c.strategy]) <= per_strategy]
+        for c in rows:
+            m, t = c.memory, c.time
+            step = f"{t.total:>9.3f}{100 * t.mfu:>6.1f}%" if t is not None else f"{'-':>9}{'-':>7}"
+            lines.append(f"{c.label:<40}{f'{c.micro}x{c.steps}':>8}{m.peak / GIB:>10.2f}{c.host_bytes / GIB:>10.1f}"
+                         f"{'yes' if c.fits else 'NO':>6}{c.comm_bytes / 1e9:>14.2f}{c.comm_seconds:>13.3f}{step}")
+        more = len(self.candidates) - len(rows)
+        return "\n".join(lines + [f"(fits: peak <= {budget / GIB:.1f} GiB usable per device; mb x n: sequences "
+                                  "per micro-batch x micro-batches per step; host GiB: offloaded states per node"
+                                  + (f"; {more} slower variants not shown" if more else "") + ")"])
 
 
 def model_overrides(shape: Shape, preset: str | None, global_batch: int) -> list[str]:
@@ -128,139 +167,214 @@ def _axis_bandwidth(mesh: dict[str, int], cluster: Cluster) -> dict[str, float]:
     return out
 
 
-def _candidate(strategy: str, shape: Shape, cluster: Cluster, budget: float, micro: int, kw: dict,
-               overrides: list[str], **lay) -> Candidate | None:
-    n = 1 if strategy == "single" else cluster.devices
+@dataclass(frozen=True)
+class _Ask:
+    """What every candidate of one question shares."""
+
+    shape: Shape
+    cluster: Cluster
+    budget: float
+    host_budget: float | None
+    global_batch: int
+    precision: str
+    optimizer: str
+    checkpointing: bool
+
+
+def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate | None:
+    """One plan at one micro-batch size, or None where it cannot run (a mesh or batch that does not
+    divide, a layout the cost models do not price)."""
+    shape, cluster, n = ask.shape, ask.cluster, (1 if e.name == "single" else ask.cluster.devices)
     try:
-        lo = layout(strategy, n, **lay)
+        lo = layout(e.name, n, **option.layout)
     except ValueError:
         return None
     mesh = lo.mesh
+    if lo.gather_bytes and (lo.tp > 1 or lo.pp > 1) and mesh.get("dp_shard", 1) <= 1:
+        return None  # the mesh strategies apply FSDP mixed precision only over a dp_shard axis
     dp = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1) * mesh.get("ep", 1)  # ep is a data axis too
-    per_rank = micro * (lo.n_microbatches or lo.pp)  # a pipeline splits its batch into micro-batches of ``micro``
+    if ask.global_batch % (dp * micro):
+        return None
+    steps = ask.global_batch // (dp * micro)
+    pipelined = lo.pp > 1
+    if pipelined:
+        if steps < lo.pp or (lo.schedule == "interleaved_1f1b" and steps % lo.pp):
+            return None
+        lo = replace(lo, n_microbatches=steps)
+        batch_words = [f"strategy.n_microbatches={steps}"]
+    else:
+        batch_words = [f"trainer.accumulate_grad_batches={steps}"] if steps > 1 else []
+    optimizer = option.optimizer or ask.optimizer
     try:
-        mem = estimate(shape, devices=n, strategy=strategy, micro_batch_size=per_rank, layout_=lo, **kw)
+        mem = estimate(shape, devices=n, strategy=e.name, micro_batch_size=micro * (steps if pipelined else 1),
+                       layout_=lo, precision=ask.precision, optimizer=optimizer, checkpointing=ask.checkpointing,
+                       device="cuda")
     except ValueError:  # a layout the estimator does not price (tensor parallelism of an MoE model)
         return None
     u = shape.units()
-    cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro,
-                                  shape.vocab_size, shape.mlp_ratio, shape.block_size, shape.bias,
-                                  shape.n_moe_layers, shape.n_experts, shape.top_k)
-    experts = shape.n_moe_layers * u.get("moe_experts", 0)
-    # gradients and gathered parameters travel in the parameters' dtype (fp32 under autocast's bf16-mixed)
-    dtype = int(bytes_per_param(kw["precision"], kw["optimizer"])[1])
+    cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro, shape.vocab_size,
+                                  shape.mlp_ratio, shape.block_size, shape.bias, shape.n_moe_layers,
+                                  shape.n_experts, shape.top_k)
+    # gradients travel in the parameters' dtype (fp32 under autocast's bf16-mixed); gathers in
+    # FSDP's param_dtype where the plan sets one
+    param_bytes = int(bytes_per_param(ask.precision, optimizer)[1])
+    gather_bytes = int(lo.gather_bytes or param_bytes)
+    act_bytes = dtypes(ask.precision)[0]
     try:
-        comm = comm_model.step_comm_bytes(strategy, n_params=u["total"], mesh=mesh, dtype_bytes=dtype, shape=cshape,
-                                          micro_batches=lo.n_microbatches or lo.pp, schedule=lo.schedule,
-                                          expert_params=experts,
-                                          data_parallel=lo.data_parallel,
-                                          activation_bytes=dtypes(kw["precision"])[0],  # the experts' compute dtype
-                                          recompute=bool(kw["checkpointing"]))
+        comm = comm_model.step_comm_bytes(
+            e.name, n_params=u["total"], mesh=mesh, dtype_bytes=gather_bytes, shape=cshape,
+            micro_batches=steps if pipelined else 1, schedule=lo.schedule, virtual_stages=lo.virtual_stages,
+            expert_params=shape.n_moe_layers * u.get("moe_experts", 0), data_parallel=lo.data_parallel,
+            activation_bytes=act_bytes, recompute=ask.checkpointing, sequence_parallel=lo.sequence_parallel,
+            accumulate=1 if pipelined else steps,
+            reduce_dtype_bytes=param_bytes if gather_bytes != param_bytes else None)
     except ValueError:
         comm = {}
-    seconds = comm_model.predicted_seconds(comm, {**mesh, "world": n}, _axis_bandwidth(mesh, cluster))
+    bandwidth = _axis_bandwidth(mesh, cluster)
+    offloaded = u["total"] // max(1, lo.shard) if lo.cpu_offload else 0
+    time = step_time(shape, traffic=e.comm, mesh={k: v for k, v in mesh.items() if v > 1},
+                     global_batch=ask.global_batch, comm=comm, bandwidth_gbs=bandwidth, device=cluster.device,
+                     compute_bytes=act_bytes, recompute=ask.checkpointing, schedule=lo.schedule, micro_batches=steps,
+                     virtual_stages=lo.virtual_stages, offloaded_params=offloaded, accumulate=steps)
+    host = mem.offloaded * min(n, cluster.devices_per_node)
+    fits = mem.peak <= ask.budget and (ask.host_budget is None or host <= ask.host_budget)
     nodes = [f"trainer.devices={min(n, cluster.devices_per_node)}"] + (
         [f"trainer.num_nodes={cluster.nodes}"] if n > cluster.devices_per_node else [])
-    return Candidate(strategy, nodes + overrides, mem, comm_model.total_bytes(comm), seconds, mem.peak <= budget,
-                     per_rank * dp)
+    ckpt = ["strategy.activation_checkpointing=true"] if ask.checkpointing else []
+    return Candidate(e.name, nodes + [*option.overrides, *ckpt, *batch_words], mem, comm_model.total_bytes(comm),
+                     comm_model.predicted_seconds(comm, {**mesh, "world": n}, bandwidth), fits, ask.global_batch,
+                     time, micro, steps, host, e.preference)
+
+
+def _variants(e: StrategyEntry, option: Option, precision: str) -> list[Option]:
+    """The plan as offered, and the variants a practitioner would try on it."""
+    out = [option]
+    lay = dict(option.layout)
+    if lay.get("tp", 1) > 1:  # sequence parallelism: the activations between the splits sharded too
+        out += [Option((*o.overrides, "strategy.sequence_parallel=true"), {**o.layout, "sequence_parallel": True},
+                       o.optimizer) for o in list(out)]
+    if lay.get("pp", 1) > 1:  # interleaved 1F1B: two stages per rank, half the bubble
+        out += [Option((*o.overrides, "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"),
+                       {**o.layout, "schedule": "interleaved_1f1b", "virtual_stages": 2}, o.optimizer)
+                for o in list(out)]
+    sharding = e.sharding_for(lay.get("data_parallel") or e.defaults().get("data_parallel", "replicate"))
+    if precision == "bf16-mixed" and sharding.grads == "fsdp" and e.name != "expert_parallel":
+        out += [Option((*o.overrides, "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32"),
+                       {**o.layout, "gather_bytes": 2}, o.optimizer) for o in list(out)]
+    return out
+
+
+def _best(cands: list[Candidate]) -> Candidate:
+    """The fastest; within ``TIE`` of it, the catalogue's preference, then the fewest options (plain AdamW
+    before 8-bit states, fp32 gathers before bf16 ones), then the smaller peak."""
+    fastest = min(c.seconds for c in cands)
+    near = [c for c in cands if c.seconds <= fastest * (1 + TIE)]
+    return min(near, key=lambda c: (c.preference, len(c.overrides), c.memory.peak, c.seconds))
 
 
 def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", optimizer: str = "adamw",
            micro_batch_size: int = 1, checkpointing: bool = True, headroom: float = 0.9,
-           preset: str | None = None) -> Advice:
+           preset: str | None = None, global_batch: int | None = None) -> Advice:
+    """The fastest plan that fits. ``global_batch``: sequences per optimizer step (None: one
+    ``micro_batch_size`` per device, what data parallelism alone would train)."""
     budget = cluster.device_memory_gb * GIB * headroom
-    kw = dict(precision=precision, optimizer=optimizer, checkpointing=checkpointing, device="cuda")
-    ckpt = ["strategy.activation_checkpointing=true"] if checkpointing else []
+    host_budget = cluster.host_memory_gb * GIB * headroom if cluster.host_memory_gb is not None else None
+    g = global_batch or micro_batch_size * cluster.devices
+    ask = _Ask(shape, cluster, budget, host_budget, g, precision, optimizer, checkpointing)
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-    dpn, nodes, n = cluster.devices_per_node, cluster.nodes, cluster.devices
-    fleet = Fleet(n, dpn, nodes, shape.n_experts if shape.n_moe_layers else 0, optimizer)
-    order = []
+    fleet = Fleet(cluster.devices, cluster.devices_per_node, cluster.nodes,
+                  shape.n_experts if shape.n_moe_layers else 0, optimizer)
+    cands: list[Candidate] = []
     for e in sorted((e for e in CATALOG if e.advise), key=lambda e: e.preference):
-        for o in e.advise(fleet):
-            okw = {**kw, "optimizer": o.optimizer} if o.optimizer else kw
-            order.append(_candidate(e.name, shape, cluster, budget, micro_batch_size, okw, [*o.overrides, *ckpt],
-                                    **o.layout))
-    moe = shape.n_moe_layers > 0
-    c = lambda s, o=(), **lay: _candidate(s, shape, cluster, budget, micro_batch_size, kw, [*o, *ckpt], **lay)  # noqa: E731
-    cands = [x for x in order if x is not None]
+        for option in e.advise(fleet):
+            priced = [c for o in _variants(e, option, precision) for k in MICRO_STEPS
+                      if (c := _price(e, o, micro_batch_size * k, ask)) is not None]
+            by_label: dict[str, list[Candidate]] = {}
+            for c in priced:
+                by_label.setdefault(c.label, []).append(c)
+            for group in by_label.values():  # one row per variant: its fastest fitting micro-batch
+                fitting = [c for c in group if c.fits]
+                cands.append(_best(fitting) if fitting else min(group, key=lambda c: c.memory.peak))
     reasons: list[str] = []
-    whole = c("single")
-    if whole.fits:
-        reasons.append(f"the whole step ({gib(whole.memory.peak)} at its peak) fits one device ({gib(budget)} usable)")
+    whole = estimate(shape, devices=1, strategy="single", micro_batch_size=micro_batch_size, precision=precision,
+                     optimizer=optimizer, checkpointing=checkpointing, device="cuda")
+    if whole.peak <= budget:
+        reasons.append(f"the whole step ({gib(whole.peak)} at its peak) fits one device ({gib(budget)} usable)")
     else:
-        reasons.append(f"the whole step needs {gib(whole.memory.peak)} at its peak ({whole.memory.moment}): "
+        reasons.append(f"the whole step needs {gib(whole.peak)} at its peak ({whole.moment}): "
                        f"more than one device ({gib(budget)} usable)")
-    fitting = [x for x in cands if x.fits]
-    slow = nodes > 1 and cluster.inter_node_gbs < cluster.intra_node_gbs / 4
+    fitting = [c for c in cands if c.fits]
     if not fitting:
-        tiled = _tiled_offload(shape, cluster, budget, micro_batch_size, kw, ckpt, reasons)
+        tiled = _tiled_offload(ask, micro_batch_size, reasons)
         if tiled is not None:
             cands.append(tiled)
             fitting = [tiled]
     if not fitting:
-        reasons.append("no candidate's predicted peak fits: add devices, lower the micro-batch or the sequence")
-        return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, micro_batch_size), precision)
-    if moe and len(fitting) > 1 and fitting[0].strategy not in ("single", "ddp"):
-        best = min(fitting, key=lambda x: x.comm_seconds)
-        reasons.append(_moe_reason(best, fitting, cands))
-    elif slow and len(fitting) > 1:
-        best = min(fitting, key=lambda x: x.comm_seconds)
-        reasons.append(f"links between nodes are slow ({cluster.inter_node_gbs:g} GB/s): of the plans that fit, "
-                       f"{best.label} spends the least time communicating ({best.comm_seconds:.3f} s per step)")
-    else:
-        best = fitting[0]
-        if moe and best.strategy == "ddp":
-            reasons.append("MoE model that fits every device: replicate the experts (ddp); its gradient all-reduce "
-                           "overlaps backward, while expert parallelism's all-to-all of the tokens sits on the "
-                           "critical path of every MoE layer")
-        elif best.strategy not in ("single", "ddp", "zero3_offload"):
-            reasons.append(f"{best.label} is the least sharding that fits ({gib(best.memory.peak)} per device at its "
-                           "peak): each further stage adds communication")
-        elif "model.optimizer=adamw8bit" in best.overrides:
-            reasons.append(f"with 8-bit AdamW states (torchao AdamW8bit) the step fits one device "
-                           f"({gib(best.memory.peak)} at its peak): no sharding or offload needed")
-        elif best.strategy == "zero3_offload" and not any("tiling" in o for o in best.overrides):
-            reasons.append(f"only ZeRO-3 with the states in host memory fits ({gib(best.memory.peak)} on the device)")
+        host = [c for c in cands if c.memory.peak <= budget and not c.fits]
+        reasons.append("no candidate's predicted peak fits: add devices, lower the micro-batch or the sequence"
+                       + (f" (offload fits the devices but needs {gib(min(c.host_bytes for c in host))} of host "
+                          f"memory per node, more than the {cluster.host_memory_gb:g} GiB stated)" if host else ""))
+        return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, g), precision)
+    best = _best(fitting)
+    reasons += _why(best, fitting, cluster)
     return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,
-                  model_overrides(shape, preset, best.global_batch), precision)
+                  model_overrides(shape, preset, best.global_batch), precision, best)
 
 
-def _moe_reason(best: Candidate, fitting: list[Candidate], cands: list[Candidate]) -> str:
-    """Why this plan for an MoE model: expert parallelism trades the experts' gradient all-reduce
-    (replication) or their all-gathers (FSDP) for an all-to-all of the routed tokens."""
-    gib = best.memory.peak / GIB
-    others = [x for x in fitting if x is not best]
-    alt = min(others, key=lambda x: x.comm_seconds)
-    what = ("spreads the experts over ranks and moves tokens to them (all-to-all) instead of replicating or "
-            "gathering expert weights" if best.strategy == "expert_parallel" else
-            "replicates or shards the experts like every other weight: at this size that costs less than "
-            "an all-to-all of the routed tokens")
-    return (f"MoE model: of the plans that fit, {best.label} {what}; it communicates {best.comm_bytes / 1e9:.2f} GB "
-            f"per step ({best.comm_seconds:.3f} s) against {alt.comm_bytes / 1e9:.2f} GB ({alt.comm_seconds:.3f} s) "
-            f"for {alt.label}, at a peak of {gib:.1f} GiB per device")
+def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[str]:
+    t = best.time
+    assert t is not None
+    n = len(fitting)
+    out = [f"of the {n} plan{'s' if n > 1 else ''} that fit{'' if n > 1 else 's'}, {best.label} predicts the "
+           f"shortest step: {t.total:.3f} s "
+           f"(compute {t.compute:.3f} s, exposed communication {t.comm_exposed:.3f} s, bubble {t.bubble:.3f} s"
+           + (f", host optimizer step {t.offload:.3f} s" if t.offload else "") + f"), MFU {100 * t.mfu:.0f}%"]
+    others = sorted((c for c in fitting if c.strategy != best.strategy), key=lambda c: c.seconds)
+    if others:
+        o = others[0]
+        out.append(f"next: {o.label} at {o.seconds:.3f} s per step")
+    moe = best.memory.mesh.get("ep", 1) > 1 or best.strategy == "expert_parallel"
+    if moe:
+        out.append(f"{best.label} spreads the experts over ranks and moves tokens to them (all-to-all) instead of "
+                   f"replicating or gathering expert weights; it communicates {best.comm_bytes / 1e9:.2f} GB per step")
+    elif any(c.strategy == "expert_parallel" for c in fitting):
+        out.append(f"{best.label} replicates or shards the experts like every other weight: its gradient "
+                   "reduction overlaps backward, while expert parallelism's all-to-all of the tokens sits on the "
+                   "critical path of every MoE layer")
+    if "model.optimizer=adamw8bit" in best.overrides:
+        out.append(f"with 8-bit AdamW states (torchao AdamW8bit) the step fits one device "
+                   f"({best.memory.peak / GIB:.1f} GiB at its peak): no sharding or offload needed")
+    if best.host_bytes:
+        stated = (f"within the {cluster.host_memory_gb:g} GiB stated" if cluster.host_memory_gb is not None
+                  else "host memory was not stated (--host-memory): check the nodes have it")
+        out.append(f"{best.label} keeps its states in host memory: {best.host_bytes / GIB:.1f} GiB per node, {stated}")
+    if best.time.bubble:
+        out.append(f"pipeline bubble: {100 * t.bubble / t.total:.0f}% of the step ({best.steps} micro-batches)")
+    return out
 
 
-def _tiled_offload(shape: Shape, cluster: Cluster, budget: float, micro: int, kw: dict, ckpt: list[str],
-                   reasons: list[str]) -> Candidate | None:
+def _tiled_offload(ask: _Ask, micro: int, reasons: list[str]) -> Candidate | None:
     """ZeRO-3 + CPU offload with the largest linears tiled, the fewest tiles that fit (ZeRO-Infinity)."""
+    shape = ask.shape
     u = shape.units()
     linears = sorted((k.split(".", 1)[1] for k in u if k.startswith("block.")), key=lambda k: -u[f"block.{k}"])
     big = [name for name in linears if u[f"block.{name}"] >= 0.25 * u["block"]]  # the MLP matrices
     out_features = {name: (shape.mlp_ratio * shape.n_embd if name == "mlp.fc" else shape.n_embd) for name in big}
+    e = next(e for e in CATALOG if e.name == "zero3_offload")
     for k in TILES:
         if any(out_features[name] % k for name in big) or shape.vocab_size % k:
             continue
         tiling = {f"net.blocks.{i}.{name}": k for i in range(shape.n_layer) for name in big}
         tiling["net.head.lm_head"] = k
         text = "{" + ",".join(f"{p}:{t}" for p, t in tiling.items()) + "}"
-        cand = _candidate("zero3_offload", shape, cluster, budget, micro, kw, [f"+strategy.tiling={text}", *ckpt],
-                          tiling=tiling)
-        if cand is not None and cand.fits:
-            reasons.append(f"even ZeRO-3 with offload must all-gather a whole layer; tiling the MLP linears and the "
-                           f"output head into {k} tiles (each its own FSDP unit) brings the peak to "
-                           f"{cand.memory.peak / GIB:.1f} GiB")
-            return cand
-    if u["embed_table"] * 4 > budget:
+        for option in _variants(e, Option((f"+strategy.tiling={text}",), {"tiling": tiling}), ask.precision):
+            cand = _price(e, option, micro, ask)
+            if cand is not None and cand.fits:
+                reasons.append(f"even ZeRO-3 with offload must all-gather a whole layer; tiling the MLP linears and "
+                               f"the output head into {k} tiles (each its own FSDP unit) brings the peak to "
+                               f"{cand.memory.peak / GIB:.1f} GiB")
+                return cand
+    if u["embed_table"] * 4 > ask.budget:
         reasons.append("the embedding table alone exceeds a device and cannot be tiled: tensor parallelism "
                        "(vocabulary-parallel embedding) within a node is needed")
     return None

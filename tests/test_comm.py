@@ -137,6 +137,23 @@ def test_four_ranks_model_parallel_bytes_match_model(strategy):
     assert_comm_matches(model_parallel_4()[strategy])
 
 
+SEQUENCE_PARALLEL_4 = ("strategy=tensor_parallel,fsdp_tp,3d", "strategy.sequence_parallel=true", "trainer.devices=4",
+                      "+model.n_head=4", "trainer.max_steps=3", "trainer.accumulate_grad_batches=1,2")
+
+
+@pytest.mark.parametrize("strategy", ["tensor_parallel", "fsdp_tp", "3d"])
+def test_four_ranks_sequence_parallel_bytes_match_model(strategy):
+    """Sequence parallelism: the activation all-reduces become reduce-scatters and all-gathers of the
+    sequence shard, the pipeline sends the shard, and the LayerNorms' gradients are all-reduced once
+    per backward -- with 1 and 2 accumulated micro-batches."""
+    runs = [s for s in sweep(*SEQUENCE_PARALLEL_4) if s["strategy"] == strategy]
+    assert len(runs) == 2
+    for s in runs:
+        assert_comm_matches(s, cross_check=False)
+        got = s["comm"]["bytes_per_step"]
+        assert "reduce_scatter" in got and got["reduce_scatter"].get("tp"), got  # SP's own collective, measured
+
+
 def _classify(rank: int, world: int) -> dict:
     """A collective issued from a callback's frame is bookkeeping; the same from elsewhere is not."""
     import torch
@@ -252,6 +269,6 @@ def test_comm_model_layouts_and_refusals():
     assert total_bytes(ddp) == 2 * 10**9
     assert predicted_seconds(ddp, {"dp_replicate": 8}, {"dp_replicate": 100.0}) == pytest.approx(2e9 * 1.75 / 1e11)
     for bad in (dict(strategy="tensor_parallel"), dict(strategy="ring_attention"),
-                dict(strategy="tensor_parallel", shape=shape, sequence_parallel=True)):
+                dict(strategy="tensor_parallel", shape=shape, loss_parallel=True)):
         with pytest.raises(ValueError, match="comm_model"):
             step_comm_bytes(n_params=10, mesh={"tp": 2}, **bad)

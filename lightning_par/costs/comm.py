@@ -84,6 +84,11 @@ class CommShape:
     def activation_bytes(self, dtype_bytes: int) -> int:
         return self.micro_batch * self.seq * self.hidden * dtype_bytes
 
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one LayerNorm (weight, and bias when the GPT has biases)."""
+        return self.hidden * (2 if self.bias else 1)
+
 
 def _add(out: dict, kind: str, axis: str, nbytes: float) -> None:
     if nbytes:
@@ -94,26 +99,43 @@ def _pad(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward: int) -> None:
-    """Tensor parallelism without sequence parallelism, per forward+backward of one micro-batch:
-    forward all-reduces after the embedding and after every rowwise linear (wo, proj): 2L + 1;
-    backward all-reduces the input gradient of every colwise linear (wq, wk, wv, fc, lm_head): 4L + 1;
-    the logits are all-gathered over the vocabulary (B*T*V)."""
+def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward: int, sp: bool = False) -> None:
+    """Tensor parallelism per forward+backward of one micro-batch.
+
+    Without sequence parallelism: forward all-reduces after the embedding and after every rowwise
+    linear (wo, proj): 2L + 1; backward all-reduces the input gradient of every colwise linear (wq,
+    wk, wv, fc, lm_head): 4L + 1; the logits are all-gathered over the vocabulary (B*T*V).
+
+    With it (``parallel/tensor_parallel.py``): the all-reduces become reduce-scatters onto the sequence
+    shard (the embedding's and every rowwise output's, 2L + 1, forward) and all-gathers of it (the
+    input of every attention and MLP, once per colwise group, and of the head: 2L + 1, forward), each
+    mirrored in backward -- (4L + 2) full activations of each kind; the position table's gradient is
+    all-gathered from its sequence slices (T*h) and the logits as before; the LayerNorms' replicated
+    gradients are all-reduced once (``reduce_partial_gradients``: per optimizer step; under FSDP, with
+    every micro-batch's reduce-scatter)."""
     if tp <= 1:
         return
     a = shape.activation_bytes(b)
     L = shape.layers
-    _add(out, "all_reduce", "tp", n_forward * ((2 * L + 1) + (4 * L + 1)) * a)
-    _add(out, "all_gather", "tp", n_forward * shape.micro_batch * shape.seq * shape.vocab * b)
+    logits = shape.micro_batch * shape.seq * shape.vocab * b
+    if not sp:
+        _add(out, "all_reduce", "tp", n_forward * ((2 * L + 1) + (4 * L + 1)) * a)
+        _add(out, "all_gather", "tp", n_forward * logits)
+        return
+    _add(out, "reduce_scatter", "tp", n_forward * (4 * L + 2) * a)
+    _add(out, "all_gather", "tp", n_forward * ((4 * L + 2) * a + logits + shape.seq * shape.hidden * b))
+    _add(out, "all_reduce", "tp", n_forward * (2 * L + 1) * shape.norm_params * b)
 
 
 def _pipeline_rank(shape: CommShape, pp: int, m: int, b: int, schedule: str, virtual: int, tp: int,
-                   rank: int) -> dict[str, dict[str, int]]:
+                   rank: int, sp: bool = False) -> dict[str, dict[str, int]]:
     """One pipeline rank's traffic per step. Per micro-batch, a stage sends its output forward and its
     input gradient backward (one activation B_mb*T*h each) to a neighbouring stage on another rank.
     With tp > 1, each of the rank's stages adds the tensor-parallel terms of its own layers (layers
     spread evenly over the stages; the embedding's all-reduce on the first stage, the head's and the
-    logits all-gather on the last)."""
+    logits all-gather on the last). With sequence parallelism the activations sent between stages are
+    the sequence shard (1/tp), and each stage's TP terms are ``_tp_activation_comm``'s for its layers;
+    its LayerNorms' gradients are all-reduced once per step (the schedule accumulates them first)."""
     out: dict = defaultdict(lambda: defaultdict(int))
     n_stages = pp * virtual
     owner = ([min(s, 2 * pp - 1 - s) for s in range(n_stages)] if schedule == "zbv"
@@ -123,23 +145,31 @@ def _pipeline_rank(shape: CommShape, pp: int, m: int, b: int, schedule: str, vir
     for s in (s for s in range(n_stages) if owner[s] == rank):
         for neighbour in (s - 1, s + 1):
             if 0 <= neighbour < n_stages and owner[neighbour] != rank:
-                _add(out, "send", "pp", m * a)
-                _add(out, "recv", "pp", m * a)
+                _add(out, "send", "pp", m * a / (tp if sp else 1))
+                _add(out, "recv", "pp", m * a / (tp if sp else 1))
         if tp > 1:
             layers = L // n_stages + (1 if s < L % n_stages else 0)
-            _add(out, "all_reduce", "tp", m * (6 * layers + (s == 0) + (s == n_stages - 1)) * a)
-            if s == n_stages - 1:
-                _add(out, "all_gather", "tp", m * shape.micro_batch * shape.seq * shape.vocab * b)
+            first, last = s == 0, s == n_stages - 1
+            logits = m * shape.micro_batch * shape.seq * shape.vocab * b * last
+            if sp:
+                ends = first + last
+                _add(out, "reduce_scatter", "tp", m * (4 * layers + ends) * a)
+                _add(out, "all_gather", "tp", m * ((4 * layers + ends) * a + first * shape.seq * shape.hidden * b)
+                     + logits)
+                _add(out, "all_reduce", "tp", (2 * layers + last) * shape.norm_params * b)
+            else:
+                _add(out, "all_reduce", "tp", m * (6 * layers + first + last) * a)
+                _add(out, "all_gather", "tp", logits)
     if pp > 1:
         _add(out, "all_reduce", "pp", 4)  # the mean micro-batch loss, shared by every stage (fp32 scalar)
     return out
 
 
 def _pipeline(out: dict, shape: CommShape, pp: int, m: int, b: int, schedule: str, virtual: int, tp: int,
-              stage_rank: int | None) -> None:
+              stage_rank: int | None, sp: bool = False) -> None:
     """The given pipeline rank's traffic, or (stage_rank None) the busiest rank's."""
     ranks = [stage_rank] if stage_rank is not None else range(pp)
-    mine = max((_pipeline_rank(shape, pp, m, b, schedule, virtual, tp, r) for r in ranks),
+    mine = max((_pipeline_rank(shape, pp, m, b, schedule, virtual, tp, r, sp) for r in ranks),
                key=lambda c: sum(sum(v.values()) for v in c.values()))
     for kind, axes in mine.items():
         for axis, nbytes in axes.items():
@@ -154,7 +184,8 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                     grad_clip: bool = False, expert_params: int = 0,
                     data_parallel: str = "replicate", activation_bytes: int | None = None,
                     recompute: bool = False, param_tensors: int | None = None,
-                    accumulate: int = 1, grad_sync: str = "every_micro_batch") -> dict[str, dict[str, int]]:
+                    accumulate: int = 1, grad_sync: str = "every_micro_batch",
+                    reduce_dtype_bytes: int | None = None) -> dict[str, dict[str, int]]:
     """Payload bytes one rank sends through collectives in one optimizer step: ``{kind: {axis: bytes}}``.
 
     Args:
@@ -192,11 +223,14 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             gradients after every backward, and activations travel per micro-batch.
         grad_sync: FSDP's ``last_micro_batch`` reduces gradients once per step (the reduce-scatter, and
             HSDP's all-reduce over dp_replicate) while its gathers stay per micro-batch.
+        reduce_dtype_bytes: FSDP mixed precision's ``reduce_dtype`` (e.g. bf16 gathers with fp32
+            reduce-scatters): bytes per element of FSDP's gradient reductions (its reduce-scatters, and
+            HSDP's all-reduce over dp_replicate); None: ``dtype_bytes``.
 
     Raises ValueError for a strategy or option this model does not cover.
     """
-    if sequence_parallel or loss_parallel:
-        raise ValueError("comm_model: sequence_parallel / loss_parallel traffic is not modelled")
+    if loss_parallel:
+        raise ValueError("comm_model: loss_parallel traffic is not modelled")
     try:
         traffic = _TRAFFIC[entry(strategy).comm]  # the catalogue names each strategy's traffic model
     except ValueError:
@@ -207,16 +241,25 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
     step = _Step(defaultdict(lambda: defaultdict(int)), n_params, dtype_bytes, shape, get("dp_replicate"),
                  get("dp_shard"), get("tp"), get("pp"), get("ep"), micro_batches, kept_params, reshard_after_forward,
                  schedule, virtual_stages, stage_rank, stage_params, grad_clip, expert_params, data_parallel,
-                 activation_bytes, recompute, param_tensors)
+                 activation_bytes, recompute, param_tensors, sequence_parallel)
     traffic(step)
     k = 1 if traffic in _ONCE_PER_STEP else max(1, int(accumulate))
 
     def times(kind: str, axis: str) -> int:
         once = grad_sync == "last_micro_batch" and (kind == "reduce_scatter" or (kind, axis) == ("all_reduce", "dp_replicate"))
+        # sequence parallelism's only tp all-reduce is the LayerNorms' gradients: FSDP2 reduces them with
+        # every micro-batch's reduce-scatter, the strategy itself once per step (``optimizer_step``)
+        once = once or (sequence_parallel and traffic is not _fsdp_tp and (kind, axis) == ("all_reduce", "tp"))
         return 1 if once else k
 
-    return {kind: {axis: nbytes * times(kind, axis) for axis, nbytes in axes.items()} for kind, axes in step.out.items()
-            if any(axes.values())}
+    def reduced(kind: str, axis: str) -> float:
+        if reduce_dtype_bytes is None or axis in ("tp", "pp", "ep"):
+            return 1.0
+        fsdp_reduce = kind == "reduce_scatter" or (traffic is _fsdp and (kind, axis) == ("all_reduce", "dp_replicate"))
+        return reduce_dtype_bytes / dtype_bytes if fsdp_reduce else 1.0
+
+    return {kind: {axis: int(round(nbytes * reduced(kind, axis))) * times(kind, axis) for axis, nbytes in axes.items()}
+            for kind, axes in step.out.items() if any(axes.values())}
 
 
 @dataclass
@@ -245,6 +288,7 @@ class _Step:
     activation_bytes: int | None
     recompute: bool
     param_tensors: int | None
+    sequence_parallel: bool = False
 
     def fsdp(self, params: int, kept: int, axis: str, reshard: bool, root: int = 0) -> None:
         """FSDP over ``axis``: gathered in forward and again in backward (``reshard``; ``kept`` only
@@ -288,12 +332,12 @@ def _fsdp(s: _Step) -> None:
 
 
 def _tensor_parallel(s: _Step) -> None:
-    _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1)
+    _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1, s.sequence_parallel)
     _add(s.out, "all_reduce", "dp_replicate", s.shape.tp_params(s.tp) * s.b * (s.rep > 1))
 
 
 def _fsdp_tp(s: _Step) -> None:
-    _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1)
+    _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1, s.sequence_parallel)
     s.fsdp(s.shape.tp_params(s.tp), s.kept_params, "dp_shard", s.reshard_after_forward, s.root(s.tp))
 
 
@@ -301,7 +345,8 @@ def _pipeline_dp(s: _Step, tp: int | None) -> None:
     """A pipeline rank's sends and receives, then its stages' gradients over the data axis: FSDP over
     dp_shard (no re-gather per micro-batch under a pipeline) or all-reduced over dp_replicate.
     ``tp`` None: no tensor parallelism in the layout (the parameters are Ψ, not the TP split)."""
-    _pipeline(s.out, s.shape, s.pp, s.micro_batches, s.b, s.schedule, s.virtual_stages, tp or 1, s.stage_rank)
+    _pipeline(s.out, s.shape, s.pp, s.micro_batches, s.b, s.schedule, s.virtual_stages, tp or 1, s.stage_rank,
+              s.sequence_parallel)
     mine = s.stage_params if s.stage_params is not None else (s.shape.tp_params(tp) if tp else s.P) // s.pp
     s.fsdp(mine, 0, "dp_shard", False)
     _add(s.out, "all_reduce", "dp_replicate", mine * s.b * (s.rep > 1))

@@ -79,6 +79,7 @@ def predict(trainer: L.Trainer, pl_module: L.LightningModule,
     precision = dtypes.precision(dtypes.canonical_precision(str(trainer.precision)))
     param_dtype = getattr(strategy, "param_dtype", None)
     gather = dtypes.parse_dtype(param_dtype, "param_dtype") if param_dtype else precision.param
+    reduce_dtype = getattr(strategy, "reduce_dtype", None)
     reshard = getattr(strategy, "reshard_after_forward", True)
     clip = trainer.gradient_clip_val
     return step_comm_bytes(
@@ -92,4 +93,5 @@ def predict(trainer: L.Trainer, pl_module: L.LightningModule,
         activation_bytes=dtypes.dtype_bytes(precision.compute),
         recompute=bool(getattr(strategy, "activation_checkpointing", False)),
         accumulate=int(trainer.accumulate_grad_batches),
-        grad_sync=str(getattr(strategy, "grad_sync", "every_micro_batch")))
+        grad_sync=str(getattr(strategy, "grad_sync", "every_micro_batch")),
+        reduce_dtype_bytes=dtypes.dtype_bytes(dtypes.parse_dtype(reduce_dtype, "reduce_dtype")) if reduce_dtype else None)

@@ -37,7 +37,7 @@ DTensor, which torch's ``clip_grad_norm_`` needs. Parameters are taken from tens
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 import logging
 from fnmatch import fnmatchcase
 from functools import partial
@@ -273,6 +273,17 @@ def apply_tensor_parallel(
              tp_mesh.size(), len(applied), ", ".join(sorted(set(applied.values()))), sequence_parallel,
              loss_parallel)
     return applied
+
+
+def reduce_partial_gradients(params: Iterable[torch.Tensor]) -> None:
+    """After backward under sequence parallelism: a replicated parameter that saw only its rank's
+    sequence shard (a LayerNorm's) holds a ``Partial`` DTensor gradient, and DTensor all-reduces it
+    again in every op that reads it (torch's foreach AdamW reads it three times, a norm check once
+    more). Reduce each once, here: one all-reduce per such parameter per optimizer step."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
 def _retie_split(model: nn.Module, ties: list[tuple[str, str]]) -> None:

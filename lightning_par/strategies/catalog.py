@@ -243,10 +243,12 @@ def _tp_within_a_node(f: Fleet) -> list[Option]:
 
 
 def _tp_within_pp_across_nodes(f: Fleet) -> list[Option]:
+    """TP within a node, pipeline stages across nodes: every pp that divides the node count (the
+    rest of the nodes are data parallel)."""
     if not _tp_within_a_node(f) or f.nodes == 1:
         return []
-    return [Option((f"strategy.tp={f.devices_per_node}", f"strategy.pp={f.nodes}"),
-                   {"tp": f.devices_per_node, "pp": f.nodes})]
+    return [Option((f"strategy.tp={f.devices_per_node}", f"strategy.pp={pp}"), {"tp": f.devices_per_node, "pp": pp})
+            for pp in range(2, f.nodes + 1) if f.nodes % pp == 0]
 
 
 def _always(f: Fleet) -> list[Option]:

@@ -34,7 +34,7 @@ from lightning_par.parallel.expert_parallel import average_replicated_gradients
 from lightning_par.parallel.gradients import average_gradients, clip_grad_norm_
 from lightning_par.parallel.pipeline_ties import norm_excluded, sum_tied_gradients
 from lightning_par.parallel.pipeline import Pipeline
-from lightning_par.parallel.tensor_parallel import loss_parallel_context
+from lightning_par.parallel.tensor_parallel import loss_parallel_context, reduce_partial_gradients
 
 
 class PipelineLoopMixin:
@@ -128,6 +128,21 @@ class PipelineLoopMixin:
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if getattr(self, "sequence_parallel", False):
+            # the LayerNorms' Partial gradients, accumulated over micro-batches without communication,
+            # are reduced once, after the step's last backward and before clipping or the optimizer
+            # reads them (Lightning runs this closure only on the micro-batch that steps)
+            module, inner = self.lightning_module, closure
+
+            def closure() -> Any:
+                out = inner()
+                reduce_partial_gradients(module.parameters())
+                return out
+
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _use_global_norm_clipping(self) -> None:
         """Make Lightning's norm clipping (``gradient_clip_val``) use the whole model's norm. Lightning

@@ -1,0 +1,151 @@
+"""Predicted time of one optimizer step, and the MFU it implies: what the advisor ranks plans by.
+
+    step = compute + exposed communication + pipeline bubble + offload
+
+- **compute**: the hardware FLOPs of this rank's share of the step -- the model FLOPs of its
+  data-parallel replica's tokens, divided over its ``tp x pp`` ranks, plus the recomputed forward
+  under activation checkpointing -- at ``efficiency`` of the device's dense peak. Model FLOPs per
+  token are ``flops_per_token``: 6 per weight a token is multiplied by (forward 2, backward 4; the
+  embedding lookup is free, the output head is not; MoE blocks count their router, shared parts and
+  ``top_k`` experts), plus attention's ``QK^T`` and ``AV`` over the whole sequence (12 s h per layer:
+  torch's FLOP counter counts SDPA without the causal half, and so does the run's MFU).
+- **communication** (``costs/comm.py``'s bytes x bus factor / the axis' bandwidth) is split in two,
+  by where each strategy issues it (``OVERLAPPED``): DDP's and ZeRO-1's bucketed all-reduces run
+  during backward, FSDP prefetches its all-gathers and reduce-scatters during backward, so that
+  traffic runs beside compute and only what exceeds the compute time is exposed; tensor-parallel,
+  expert-parallel (all-to-all) and pipeline traffic, ZeRO-2's one reduce-scatter after backward, the
+  collectives after the optimizer step (ZeRO-1's broadcast, ZeRO-2's all-gather) and the mesh
+  strategies' average of replicated gradients after backward sit on the critical path, exposed whole.
+- **bubble**: a pipeline rank idles ``f / (1 - f)`` of its compute, ``f`` the schedule's theoretical
+  bubble fraction (``parallel/pipeline.theoretical_bubble``: ``(p-1)/(m+p-1)`` for GPipe/1F1B,
+  ``(p-1)/(v m+p-1)`` interleaved).
+- **offload** (ZeRO-3 with the states in host memory): every micro-batch copies the rank's parameter
+  shard to the device twice (forward and backward gathers) and its gradient shard back once, over the
+  host link (overlapped with compute like the gathers); the optimizer step then runs on the host
+  (``host_adam_gbs``: bytes of parameters, gradients and fp32 states read and written per second),
+  after backward, exposed whole.
+
+The figures are a model, not a measurement: a plan's rank among others is what the advisor uses.
+``benchmarks/bench_step_time.py`` checks that rank against measured CPU step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_par.costs import comm as comm_model
+from lightning_par.costs.activations import Shape
+
+#: the collective kinds each traffic model (``StrategyEntry.comm``) runs beside compute, on data axes
+#: (tensor-parallel and pipeline traffic is on the critical path whatever its kind)
+OVERLAPPED: dict[str, frozenset[str]] = {
+    "none": frozenset(), "all_reduce": frozenset({"all_reduce"}), "zero1": frozenset({"all_reduce"}),
+    "zero2": frozenset(), "fsdp": frozenset({"all_gather", "reduce_scatter", "all_reduce"}),
+    "tensor_parallel": frozenset(), "fsdp_tp": frozenset({"all_gather", "reduce_scatter"}),
+    "pipeline": frozenset({"all_gather", "reduce_scatter"}), "3d": frozenset({"all_gather", "reduce_scatter"}),
+    "expert_parallel": frozenset({"all_gather", "reduce_scatter"}),
+}
+
+
+def overlapped(traffic: str, kind: str, axis: str) -> bool:
+    """Whether ``traffic``'s collective ``kind`` over ``axis`` runs beside compute."""
+    return axis not in ("tp", "pp") and kind in OVERLAPPED[traffic]
+
+
+@dataclass(frozen=True)
+class Device:
+    """What one accelerator computes and moves. Defaults: an H100 SXM (989 dense bf16 TFLOP/s), a
+    PCIe Gen5 x16 host link at about half its nominal rate, and a host optimizer step bound by memory
+    bandwidth (20 GB/s of states read and written: about 0.7 billion parameters per second per rank)."""
+
+    peak_tflops: float = 989.0
+    efficiency: float = 0.5  # fraction of the dense peak that large matmuls reach in a training step
+    host_link_gbs: float = 25.0  # device <-> host, GB/s per device
+    host_adam_gbs: float = 20.0  # bytes of optimizer traffic per second per rank for a host Adam step
+    latency_us: float = 20.0  # start-up time of one collective on the critical path (NCCL, small messages)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by part, and the model FLOPs of the whole step (every rank)."""
+
+    compute: float
+    comm_exposed: float
+    bubble: float
+    offload: float
+    model_flops: float
+    devices: int
+    peak_flops: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm_exposed + self.bubble + self.offload
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over the devices' dense peak (recomputation not counted)."""
+        return self.model_flops / (self.total * self.devices * self.peak_flops) if self.total > 0 else 0.0
+
+
+def flops_per_token(shape: Shape) -> float:
+    """Training FLOPs (forward + backward) per token of ``shape`` at its sequence length."""
+    u = shape.units()
+    dense_layers = shape.n_layer - shape.n_moe_layers
+    weights = dense_layers * u["block_matmul"] + u["lm_head"]
+    if shape.n_moe_layers:
+        per_expert = u["moe_experts"] / shape.n_experts
+        weights += shape.n_moe_layers * (u["moe_matmul"] + shape.top_k * per_expert)
+    attention = 4 * shape.seq_len * shape.n_embd * shape.n_layer  # QK^T and AV, forward
+    return 3 * (2 * weights + attention)
+
+
+def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch: int, comm: dict[str, dict[str, int]],
+              bandwidth_gbs: dict[str, float], device: Device, compute_bytes: int = 2, recompute: bool = False,
+              schedule: str = "1f1b", micro_batches: int = 1, virtual_stages: int = 1,
+              offloaded_params: int = 0, accumulate: int = 1) -> StepTime:
+    """The step time of one plan. ``traffic``: the strategy's traffic model (``StrategyEntry.comm``);
+    ``mesh``: axis sizes (``pp``, ``tp``, ``ep``, ``dp_*``); ``global_batch``:
+    sequences per optimizer step over the whole job; ``comm``: ``costs/comm.step_comm_bytes``'s bytes;
+    ``compute_bytes``: 2 when the matmuls run in bf16/fp16 (the peak is the bf16 one), 4 in fp32 (TF32:
+    half of it); ``micro_batches`` / ``virtual_stages``: the pipeline's; ``offloaded_params``: parameters
+    of this rank's shard kept in host memory (ZeRO-3 offload); ``accumulate``: forwards per step."""
+    devices = 1
+    for size in mesh.values():
+        devices *= int(size)
+    tp, pp = int(mesh.get("tp", 1)), int(mesh.get("pp", 1))
+    peak = device.peak_tflops * 1e12 * (1.0 if compute_bytes <= 2 else 0.5)
+    model_flops = flops_per_token(shape) * shape.seq_len * global_batch
+    rank_flops = model_flops / devices * (4 / 3 if recompute else 1.0)  # a recomputed forward: 2 of 6
+    compute = rank_flops / (peak * device.efficiency)
+    axes = {**mesh, "world": devices}
+    hidden = exposed = 0.0
+    for kind, by_axis in comm.items():
+        for axis, nbytes in by_axis.items():
+            seconds = comm_model.predicted_seconds({kind: {axis: nbytes}}, axes, bandwidth_gbs)
+            if overlapped(traffic, kind, axis):
+                hidden += seconds
+            else:
+                exposed += seconds
+    bubble = 0.0
+    if pp > 1:
+        from lightning_par.parallel.pipeline import theoretical_bubble
+
+        f = theoretical_bubble(schedule, pp, micro_batches, virtual_stages)
+        bubble = compute * f / (1 - f)
+    offload = 0.0
+    if offloaded_params:
+        copies = (2 * accumulate * compute_bytes + 4) * offloaded_params / (device.host_link_gbs * 1e9)
+        hidden += copies
+        # the host Adam step reads parameters, gradients and both moments and writes three of them back
+        offload = 28 * offloaded_params / (device.host_adam_gbs * 1e9)
+    exposed += max(0.0, hidden - compute)
+    forwards = micro_batches if pp > 1 else accumulate
+    calls = 0
+    if tp > 1:
+        calls += forwards * (6 * shape.n_layer // pp + 2)
+    if int(mesh.get("ep", 1)) > 1:
+        calls += forwards * shape.n_moe_layers * (6 if recompute else 4)
+    if pp > 1:
+        calls += 2 * forwards * virtual_stages
+    exposed += calls * device.latency_us * 1e-6
+    return StepTime(compute, exposed, bubble, offload, model_flops, devices, peak)
