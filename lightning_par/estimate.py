@@ -30,7 +30,8 @@ from lightning_par.dtypes import dtype_bytes, parse_dtype
 from lightning_par.strategies.catalog import CATALOG, entry
 
 __all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
-           "estimate", "estimate_all", "estimate_table", "layout", "model_shape", "optimizer_state_bytes", "strategy_layout"]
+           "estimate", "estimate_all", "estimate_traced", "estimate_table", "layout", "model_shape",
+           "optimizer_state_bytes", "strategy_layout"]
 
 GIB = 2**30
 #: the data-parallel family, the rows of the default table (the catalogue's ``family`` entries)
@@ -111,6 +112,56 @@ def _states_only(psi: int, lay: Layout, precision: str, optimizer: str, device: 
                           "optimizer step", dict(lay.mesh))
 
 
+def estimate_traced(traced: Any, *, devices: int, strategy: str, layout_: Layout | None = None,
+                    **layout_options: Any) -> MemoryEstimate:
+    """Memory per rank of a data-parallel strategy for a model whose step was traced on one device
+    (``costs/traced.py``: MemTracker on fake tensors, by category, at the peak of backward and of the
+    optimizer step). The traced categories are re-held as the strategy holds them (the same rules as
+    ``costs/peak.py``): parameters and optimizer states divided over the shard where it shards them;
+    gradients whole in DDP's buckets and ZeRO-1/2 (ZeRO-2 adds the flat copy it reduce-scatters),
+    sharded plus one unit's under FSDP; FSDP adds the gathered root and ``1 + prefetch`` blocks (the
+    largest of the model's blocks) in the gather dtype; offload moves the states to the host.
+    Activations and temporaries are the traced ones (data parallelism does not change a rank's
+    micro-batch). Raises ValueError for a layout that splits the model (tp, pp, ep): its activations
+    are not the traced ones."""
+    lay = layout_ or layout(strategy, devices, **layout_options)
+    if lay.tp > 1 or lay.pp > 1 or lay.ep > 1:
+        raise ValueError(f"{strategy}: a traced model is priced under data-parallel strategies only "
+                         f"(tp={lay.tp}, pp={lay.pp}, ep={lay.ep} split what was traced)")
+    bwd, step = traced.backward, traced.step
+    shard = lay.shard if lay.params_sharded or lay.opt_sharded or lay.grads in ("zero2", "fsdp") else 1
+    full_grads = traced.n_params * traced.param_bytes
+    params = bwd.params / shard if lay.params_sharded else bwd.params
+    opt = bwd.optimizer_state / shard if lay.opt_sharded else bwd.optimizer_state
+    step_opt = step.optimizer_state / shard if lay.opt_sharded else step.optimizer_state  # states + temporaries
+    unit_grads = traced.largest_unit * traced.param_bytes
+    if lay.grads in ("accumulate",):
+        grads_bwd, grads_step, extra = bwd.grads, full_grads, 0.0
+    elif lay.grads == "bucket":  # DDP's buckets hold every gradient from the start
+        grads_bwd, grads_step, extra = full_grads, full_grads, 0.0
+    elif lay.grads == "zero2":  # full .grads during backward, then the flat copy beside them
+        grads_bwd, grads_step, extra = bwd.grads + full_grads / shard, full_grads / shard, 2 * full_grads
+    else:  # fsdp: reduce-scattered shards and the current unit's full gradient
+        grads_bwd, grads_step, extra = bwd.grads / shard + unit_grads, full_grads / shard, 0.0
+    gathered = 0.0
+    if lay.grads == "fsdp" and shard > 1:
+        gb = lay.gather_bytes or traced.param_bytes
+        gathered = gb * (traced.root + traced.largest_unit * (1 + lay.prefetch))
+    host = 0.0
+    if lay.cpu_offload:
+        host, params, opt, step_opt, grads_step = params + opt + grads_step, 0.0, 0.0, 0.0, 0.0
+        grads_bwd = unit_grads
+    rest = bwd.buffers + bwd.other
+    moments = {"backward": params + opt + grads_bwd + bwd.activations + bwd.temp + rest + gathered,
+               "optimizer step": params + step_opt + grads_step + extra + step.temp + rest}
+    moment = max(moments, key=moments.get)
+    peak = int(moments[moment])
+    states = int(params + grads_step + opt)
+    return MemoryEstimate(lay.strategy, int(params), int(grads_step), int(opt), int(host), int(bwd.activations),
+                          max(0, peak - states - int(bwd.activations)), peak, f"{moment} (traced)", dict(lay.mesh),
+                          traced.micro_batch)
+
+
 def estimate_all(model: Any, strategies: tuple[str, ...] = STRATEGIES, **kwargs: Any) -> list[MemoryEstimate]:
     """``estimate`` for each strategy (default: ``STRATEGIES``), in order."""
     return [estimate(model, strategy=s, **kwargs) for s in strategies]
@@ -122,7 +173,7 @@ COLUMNS = ("params", "grads", "optimizer_state", "activations", "transient", "pe
 def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
                    shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool = False,
                    device_memory: float | None = None, unit: str = "GiB", echo: bool = False, device: str = "cuda",
-                   rows: list[MemoryEstimate] | None = None) -> str:
+                   rows: list[MemoryEstimate] | None = None, traced: bool = False) -> str:
     """One table: rows strategies (and mesh), columns the categories in ``unit`` (GiB = 2^30, GB = 1e9);
     with ``device_memory`` (in ``unit``) a last column says whether the predicted peak fits."""
     scale = {"GiB": GIB, "GB": 1e9}[unit]
@@ -135,6 +186,7 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
              f"({p:g}+{g:g}+{k:g} bytes/param), {optimizer}, "
              + (f"micro-batches of {shape.seq_len} tokens on {device}"
                 + (", checkpointing" if checkpointing else "") if shape
+                else "one training step traced on fake tensors (costs/traced.py, CPU kernels)" if traced
                 else "activations not estimated (no model shape)")
              + "; peak = the step's largest moment (costs/peak.py), not the columns' sum"]
     widths = [max(len(c), 9) for c in COLUMNS]

@@ -4,19 +4,24 @@ has, so a run that cannot fit stops in one line instead of being killed by the k
 Available per rank: on CUDA the device's total memory; on CPU the host's available memory
 (``MemAvailable``) divided by the ranks this node starts, less what each rank's runtime takes before
 any tensor exists (Python, torch, Lightning: this process's resident size, the batch-size finder's
-baseline). Predicted: ``mode=estimate``'s row for the configured strategy (``costs/peak.py``), for
-the models whose shape the estimator knows (the GPT and MoE presets); other models are not checked.
+baseline). Predicted: ``mode=estimate``'s row for the configured strategy: ``costs/peak.py`` for the
+models whose shape the estimator knows (the GPT and MoE presets), a training step traced on fake
+tensors (``costs/traced.py``) for the others (Hugging Face, a user's module) under the data-parallel
+strategies; a model split by tp/pp/ep, or one the tracer cannot run, is not checked.
 ``check_memory=false`` skips it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
 from lightning_par import ConfigError, facts
+
+log = logging.getLogger(__name__)
 
 GIB = 2**30
 
@@ -55,24 +60,46 @@ def predicted_peak(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int
     from lightning_par.strategies.catalog import entry_of
 
     config, found = getattr(model, "config", None), entry_of(strategy)
-    if found is None or not all(hasattr(config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")):
+    if found is None:
         return None
-    shape = Shape.of(config, getattr(model, "seq_len", None))
     dims = facts.mesh_of(strategy, world)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     micro = facts.micro_batch_size(int(cfg.data.get("global_batch_size", world)), dims.dp, accumulate)
     precision = canonical_precision(str(cfg.trainer.get("precision", "32-true")))
+    tiling = dict(getattr(strategy, "tiling", None) or {})
+    if not all(hasattr(config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")):
+        return _traced_peak(cfg, found.name, strategy, dims, micro, precision, tiling, accumulate)
+    shape = Shape.of(config, getattr(model, "seq_len", None))
     on_cuda = _on_cuda(cfg)
     try:
         est = estimate(shape, devices=dims.world_size, strategy=found.name, precision=precision,
                        optimizer=str(cfg.model.get("optimizer", "adamw")), micro_batch_size=micro,
                        checkpointing=bool(getattr(strategy, "activation_checkpointing", False)),
                        device="cuda" if on_cuda else "cpu",
-                       layout_=strategy_layout(found.name, strategy, dims, dict(getattr(strategy, "tiling", None) or {}),
-                                               accumulate))
+                       layout_=strategy_layout(found.name, strategy, dims, tiling, accumulate))
     except ValueError:  # a layout the estimator does not price: nothing to check against
         return None
     return est.peak, found.name
+
+
+def _traced_peak(cfg: Any, name: str, strategy: Any, dims: Any, micro: int, precision: str, tiling: dict,
+                 accumulate: int) -> tuple[int, str] | None:
+    """A model without a GPT shape (Hugging Face, a user's module): one training step traced on fake
+    tensors (``costs/traced.py``, CPU kernels: on CUDA an upper bound for attention), re-held as a
+    data-parallel strategy holds it. None where it cannot be traced or the strategy splits the model."""
+    from hydra.utils import instantiate
+
+    from lightning_par.costs.traced import trace_model
+    from lightning_par.estimate import estimate_traced, strategy_layout
+
+    try:
+        traced = trace_model(lambda: instantiate(cfg.model), micro, precision=precision)
+        est = estimate_traced(traced, devices=dims.world_size, strategy=name,
+                              layout_=strategy_layout(name, strategy, dims, tiling, accumulate))
+    except Exception as exc:  # noqa: BLE001 - a model the tracer cannot run is not checked, and said so
+        log.info("memory check: %s not traced (%s); not checked", type(exc).__name__, str(exc).splitlines()[0][:200])
+        return None
+    return est.peak, name
 
 
 def _on_cuda(cfg: Any) -> bool:
@@ -104,6 +131,9 @@ def _advice(cfg: Any, model: Any, world: int, ranks_here: int, have: int) -> str
     from lightning_par.dtypes import canonical_precision
 
     nodes = max(1, world // max(1, ranks_here))
+    if not all(hasattr(getattr(model, "config", None), k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")):
+        return ("the advisor plans GPT-shaped models only: mode=estimate prices this one under every data-parallel "
+                "strategy (zero3, zero3_offload shard the most)")
     shape = Shape.of(model.config, getattr(model, "seq_len", None))
     try:
         advice = advise(shape, Cluster(nodes, ranks_here, max(have, 0) / GIB),

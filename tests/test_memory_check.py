@@ -51,8 +51,23 @@ def test_the_check_can_be_skipped_and_passes_what_fits(tmp_path: Path) -> None:
     peak, name = predicted_peak(cfg, strategy, model, 2)
     assert name == "zero3" and 0 < peak < available_per_rank(False, 2)[0]
     check_memory(cfg, strategy, model, 2)  # fits: not stopped
-    cfg, strategy, model = _built(tmp_path, "model=hf_causal_lm")
-    assert predicted_peak(cfg, strategy, model, 1) is None  # no shape the estimator knows: not checked
+    cfg, strategy, model = _built(tmp_path, "model=hf_causal_lm")  # traced on fake tensors (costs/traced.py)
+    peak, name = predicted_peak(cfg, strategy, model, 1)
+    assert name == "single" and 0 < peak < available_per_rank(False, 1)[0]
+    cfg, strategy, model = _built(tmp_path, "model=hf_causal_lm", "strategy=tensor_parallel", "trainer.devices=2")
+    assert predicted_peak(cfg, strategy, model, 2) is None  # tp splits what a trace measures: not checked
+
+
+def test_a_hugging_face_model_that_cannot_fit_stops_in_one_line(tmp_path: Path) -> None:
+    """A model the estimator has no shape for used to go unchecked; its step is traced on fake tensors:
+    a Llama of 1.3B parameters (a 256K vocabulary) under ddp on 2 ranks needs about 20 GiB each."""
+    proc = run_cli(["model=hf_causal_lm", "model.hidden=2048", "model.layers=4", "model.heads=16",
+                    "model.intermediate=8192", "model.vocab=256000", "strategy=ddp", "trainer.devices=2",
+                    "data.seq_len=64"], tmp_path / "run", check=False)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    need, have = (float(x) for x in re.search(r"need ([\d.]+) GiB per rank.*has ([\d.]+) GiB", lines[0]).groups())
+    assert need > have and 15 < need < 30 and "check_memory=false" in lines[0], lines[0]
 
 
 def test_a_rank_killed_by_the_kernel_is_said_so() -> None:

@@ -10,9 +10,10 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from lightning_par.costs.traced import trace_model
 from lightning_par.dtypes import canonical_precision
-from lightning_par.estimate import (OPTIMIZERS, PRECISIONS, STRATEGIES, estimate, estimate_table,
-                                    model_shape, strategy_layout)
+from lightning_par.estimate import (OPTIMIZERS, PRECISIONS, STRATEGIES, MemoryEstimate, estimate, estimate_table,
+                                    estimate_traced, model_shape, strategy_layout)
 from lightning_par.strategies.catalog import CATALOG, entry_of
 
 
@@ -49,10 +50,26 @@ def run_estimate(cfg: Any) -> str:
         checkpointing = bool(getattr(strategy, "activation_checkpointing", False))
         params = opts.get("params")
         shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
-        model: Any = int(float(params)) if params is not None else (shape or _count_params(cfg.model))
+        # a model the estimator has no op-by-op shape for (Hugging Face, a user's module): one training
+        # step traced on fake tensors per micro-batch size, when the module declares the contract
+        traces: dict[int, Any] = {}
+        module = _module(cfg.model) if shape is None and params is None else None
+        model: Any = int(float(params)) if params is not None else (shape or _count(module))
         accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
         kw = dict(devices=n, precision=precision, optimizer=optimizer, checkpointing=checkpointing, device=device)
         rows, notes = [], []
+
+        def row_estimate(row: str, row_micro: int, lay: Any = None) -> MemoryEstimate:
+            if module is not None:
+                try:
+                    if row_micro not in traces:
+                        traces[row_micro] = trace_model(lambda: _module(cfg.model), row_micro, precision=precision)
+                    return estimate_traced(traces[row_micro], devices=1 if row == "single" else n, strategy=row,
+                                           layout_=lay)
+                except ValueError as exc:  # no contract to trace, or a layout that splits the model
+                    notes.append(f"note: {row}: activations not estimated ({exc})")
+            return estimate(model, strategy=row, micro_batch_size=row_micro, layout_=lay, **kw)
+
         family = [s for s in STRATEGIES if s != name] if n > 1 else []
         for row in family:  # the data-parallel family: dp = N (single: one device)
             dp = 1 if row == "single" else n
@@ -60,14 +77,13 @@ def run_estimate(cfg: Any) -> str:
             if gbs % (dp * accumulate):
                 notes = [f"note: data.global_batch_size={gbs} does not split over {dp} ranks x {accumulate}; the "
                          f"data-parallel rows assume a micro-batch of {row_micro}"]
-            rows.append(replace(estimate(model, strategy=row, micro_batch_size=row_micro, **kw),
-                                micro_batch_size=row_micro))
-        rows.append(replace(estimate(model, strategy=name, micro_batch_size=micro,
-                                     layout_=strategy_layout(name, strategy, dims, tiling, accumulate), **kw),
-                                micro_batch_size=micro))
+            rows.append(replace(row_estimate(row, row_micro), micro_batch_size=row_micro))
+        rows.append(replace(row_estimate(name, micro, strategy_layout(name, strategy, dims, tiling, accumulate)),
+                            micro_batch_size=micro))
         rows.sort(key=lambda r: [e.name for e in CATALOG].index(r.strategy))
         table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
-                                                   unit=str(opts.get("unit", "GiB")), micro_batch_size=micro, **kw)])
+                                                   unit=str(opts.get("unit", "GiB")), micro_batch_size=micro,
+                                                   traced=bool(traces), **kw)])
     except (ValueError, KeyError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
     out_dir = str(cfg.paths.output_dir)
@@ -82,11 +98,17 @@ def run_estimate(cfg: Any) -> str:
     return table
 
 
-def _count_params(model_cfg: Any) -> int:
-    import torch
+def _module(model_cfg: Any) -> Any:
+    """A fresh, unbuilt instance of the configured model (each trace builds its own)."""
     from hydra.utils import instantiate
 
-    module = instantiate(model_cfg)
+    return instantiate(model_cfg)
+
+
+def _count(module: Any) -> int:
+    """Parameters of ``module``, built on the meta device."""
+    import torch
+
     with torch.device("meta"):
         module.configure_model()
     return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,202 @@
+"""Memory of one training step of *any* model, measured on fake tensors: the estimator's input for
+models whose shape it does not model op by op (Hugging Face models, a user's own module).
+
+``trace_step`` builds the model under torch's ``FakeTensorMode`` (no storage is allocated), runs one
+training step at the asked micro-batch -- forward under the run's precision, the module's loss,
+backward, the optimizer step -- and has torch's ``MemTracker`` account it, by category (parameters,
+gradients, optimizer states, activations, temporaries), at two moments: the peak of forward and
+backward, and the peak of the optimizer step. Everything the model does is in the trace: grouped-
+query attention, tied embeddings, gated MLPs, rotary tables, the attention kernel torch picks, the
+loss's fp32 logits. On the CPU it equals MemTracker on real tensors to the byte; the kernels are the
+CPU's (on CUDA, flash attention saves less than the CPU's SDPA: the estimate is then an upper bound
+for attention).
+
+``lightning_par.estimate.estimate_traced`` turns the two moments into a per-rank peak for each
+data-parallel strategy (its states sharded as the strategy shards them, FSDP's gathered units
+added). Why not torch's ``FSDPMemTracker`` or a real run: both need the processes and the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")  # _MemRefType
+
+
+@dataclass(frozen=True)
+class Moment:
+    """Bytes by MemTracker category at one moment of the step (its per-device total)."""
+
+    params: int
+    buffers: int
+    grads: int
+    activations: int
+    temp: int
+    optimizer_state: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.buffers + self.grads + self.activations + self.temp + self.optimizer_state
+                + self.other)
+
+    @classmethod
+    def of(cls, snapshot: dict[Any, dict[str, int]]) -> Moment:
+        merged = {c: sum(int(d.get(c, 0)) for d in snapshot.values()) for c in CATEGORIES}
+        return cls(merged["Parameter"], merged["Buffer"], merged["Gradient"], merged["Activation"], merged["Temp"],
+                   merged["Optstate"], merged["Other"])
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One device's step: the peak of forward + backward, the peak of the optimizer step, the
+    parameter count and the largest FSDP unit's and the root's parameters (``units``)."""
+
+    backward: Moment
+    step: Moment
+    n_params: int
+    param_bytes: int  # bytes per parameter element as trained (4 under fp32 and bf16-mixed, 2 under bf16-true)
+    largest_unit: int  # parameters of the largest block (the model's no-split modules)
+    root: int  # parameters outside every block (embeddings, final norm, head)
+    micro_batch: int
+    seq_len: int | None
+
+    @property
+    def peak(self) -> int:
+        return max(self.backward.total, self.step.total)
+
+
+def _precision_context(precision: str, device_type: str) -> Any:
+    import torch
+
+    from lightning_par import dtypes
+
+    pr = dtypes.precision(dtypes.canonical_precision(precision))
+    if pr.compute != pr.param:  # mixed: autocast, as Lightning's MixedPrecision plugin
+        return torch.autocast(device_type, dtype=pr.compute)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _hf_masks_as_for_real_tensors() -> Any:
+    """transformers takes a fake tensor for a compile-time trace, where it cannot read values: it then
+    assumes the position ids may hold packed sequences and materialises the causal mask (repeating
+    grouped-query k/v for it), where real tensors get SDPA's ``is_causal`` and its native grouped-
+    query attention -- the trace would hold a mask and k/v copies a real step never holds. A batch
+    the model numbers itself (no position ids given, as ``HFCausalLM`` trains) is one sequence per
+    row, so the trace tells transformers so for fake position ids."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from transformers import masking_utils
+
+        original = masking_utils.find_packed_sequence_indices
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def packed(position_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if isinstance(position_ids, FakeTensor) else original(position_ids, *args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _blocks(net: Any) -> list[Any]:
+    """The model's repeated blocks: Hugging Face's ``_no_split_modules`` classes, else the modules
+    its parallel plan names as blocks, else none."""
+    names = set()
+    for m in net.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    if names:
+        return [m for m in net.modules() if type(m).__name__ in names]
+    plan = getattr(net, "parallel_plan", None)
+    blocks = getattr(plan(), "blocks", ()) if callable(plan) else ()
+    return [net.get_submodule(b) for b in blocks]
+
+
+def trace_model(make: Any, micro_batch: int, *, precision: str = "32-true", target: Any = None) -> TracedStep:
+    """``trace_step`` of a fresh ``make()`` on fake tensors; where the model cannot run on fake tensors
+    (its forward reads values: an MoE's dropless routing sizes each expert's batch from the router's
+    choices, and kernels whose fake implementation is narrower than the real one), one real step at
+    micro-batches 1 and 2 on the CPU, extrapolated linearly to ``micro_batch`` (activations and
+    temporaries grow with the batch; parameters, gradients and states do not). The real fallback
+    needs the model in host memory and measures the routing of its random initialisation."""
+    try:
+        return trace_step(make(), micro_batch, precision=precision, target=target)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever the fake run could not do, the real one measures
+        one, two = (trace_step(make(), b, precision=precision, target=target, fake=False) for b in (1, 2))
+
+    def grow(a: Moment, b: Moment) -> Moment:
+        k = micro_batch - 1
+        return replace(a, activations=max(0, a.activations + k * (b.activations - a.activations)),
+                       temp=max(0, a.temp + k * (b.temp - a.temp)))
+
+    return replace(one, backward=grow(one.backward, two.backward), step=grow(one.step, two.step),
+                   micro_batch=micro_batch)
+
+
+def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq_len: int | None = None,
+               target: Any = None, fake: bool = True) -> TracedStep:
+    """Trace one training step of ``module`` (a LightningModule with lightning_par's model contract:
+    ``configure_model``, ``example_input(batch, device)``, ``loss_fn(output, target)`` and
+    ``configure_optimizers``) at ``micro_batch`` samples. ``target``: a function of the input giving
+    the loss's target (default: the input itself, next-token style, for token models; zeros of the
+    output's batch for others is the module's business). ``fake=False``: on real CPU tensors (the
+    reference, and ``trace_model``'s fallback). Raises ValueError when the module lacks the contract."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lightning_par import dtypes
+    from lightning_par.parallel.contract import example_input_of, loss_fn_of
+
+    example, loss_fn = example_input_of(module), loss_fn_of(module)
+    if example is None or loss_fn is None:
+        raise ValueError(f"{type(module).__name__} declares no example_input / loss_fn: its activations cannot be "
+                         "traced (see lightning_par/parallel/contract.py)")
+    if getattr(module, "pretrained", None):  # a checkpoint's weights do not change the memory: its config does
+        module.pretrained = None
+    pr = dtypes.precision(dtypes.canonical_precision(precision))
+    mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode, torch.device("cpu"):
+        module.configure_model()
+        if pr.param != torch.float32:  # bf16-true / 16-true: the module itself in that dtype
+            module.to(pr.param)
+        x = example(micro_batch, "cpu")
+        y = target(x) if target is not None else x
+        optimizers = module.configure_optimizers()
+    opt = optimizers["optimizer"] if isinstance(optimizers, dict) else (
+        optimizers[0] if isinstance(optimizers, (list, tuple)) else optimizers)
+    params = list(module.parameters())
+    blocks = _blocks(getattr(module, "net", None) or module)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    root = sum(p.numel() for p in params if id(p) not in in_blocks)
+    moments = []
+    with mode, _hf_masks_as_for_real_tensors():
+        tracker = MemTracker()  # forward and backward of a first step: no optimizer state exists yet
+        tracker.track_external(module, opt)
+        with tracker:
+            with _precision_context(precision, "cpu"):
+                loss = loss_fn(module(x), y)
+            loss.backward()
+        moments.append(Moment.of(tracker.get_tracker_snapshot("peak")))
+        opt.step()  # creates the optimizer's states, which the next tracker registers as such
+        tracker = MemTracker()
+        tracker.track_external(module, opt)
+        with tracker:  # a steady-state optimizer step: parameters, gradients, states and its temporaries
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        moments.append(Moment.of(tracker.get_tracker_snapshot("peak")))
+        held = Moment.of(tracker.get_tracker_snapshot("current")).optimizer_state  # the states alone, kept
+    step = moments[1]  # its optimizer_state: the states and the step's temporaries (foreach Adam: one more)
+    backward = replace(moments[0], optimizer_state=held)  # the states are held through every later step
+    return TracedStep(backward, step, sum(p.numel() for p in params), dtypes.dtype_bytes(pr.param),
+                      largest, root, micro_batch, seq_len)
