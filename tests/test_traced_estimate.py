@@ -160,3 +160,19 @@ def test_mode_estimate_traces_a_hugging_face_model(tmp_path):
     rows = {r["strategy"]: r for r in json.loads((tmp_path / "estimate.json").read_text())["strategies"]}
     assert rows["single"]["activations"] > 0 and rows["ddp"]["activations"] > 0
     assert rows["zero3"]["peak"] < rows["ddp"]["peak"]
+
+
+def test_batch_size_finder_is_seeded_by_the_trace(tmp_path):
+    """mode=find_batch_size starts from the largest power of two the estimate fits: for a model without
+    a GPT shape it used to start at 1; it now traces each size."""
+    from hydra.utils import instantiate
+
+    from lightning_par.modes.batch_size import estimator_seed
+    from tests.helpers import composed
+
+    cfg = composed("model=hf_causal_lm", "data.seq_len=64", tmp=tmp_path)
+    at = {m: estimate_traced(trace_model(lambda: instantiate(cfg.model), m), devices=1, strategy="single").peak
+          for m in (4, 8)}
+    assert at[4] < at[8]
+    assert estimator_seed(cfg, instantiate(cfg.model), "single", 1, at[4], 64) == 4
+    assert estimator_seed(cfg, instantiate(cfg.model), "single", 1, at[8], 64) == 8

@@ -87,23 +87,36 @@ def search(fits: Any, seed: int, limit: int) -> int:
 
 
 def estimator_seed(cfg: DictConfig, model: Any, strategy: str, world: int, cap: int | None, limit: int) -> int:
-    """The largest power of two whose estimated per-rank memory fits ``cap`` (1 without a cap or a model
-    shape the estimator knows)."""
+    """The largest power of two whose estimated per-rank memory fits ``cap`` (1 without a cap, or for
+    a strategy or model the estimator cannot price). A model without a GPT shape (Hugging Face, a
+    user's module) is traced on fake tensors at each size (``costs/traced.py``)."""
     from lightning_par.dtypes import canonical_precision
-    from lightning_par.estimate import Shape, estimate
+    from lightning_par.estimate import Shape, estimate, estimate_traced
 
-    config = getattr(model, "config", None)
-    if cap is None or cap <= 0 or config is None or not hasattr(config, "n_params"):
+    if cap is None or cap <= 0:
         return 1
-    shape = Shape(config.n_layer, config.n_embd, config.n_head, config.vocab_size, int(model.seq_len))
+    config = getattr(model, "config", None)
     precision = canonical_precision(cfg.trainer.get("precision", "32-true"))  # Lightning's short forms too
+    optimizer = str(cfg.model.get("optimizer", "adamw"))
+    if config is not None and hasattr(config, "n_params"):
+        shape = Shape(config.n_layer, config.n_embd, config.n_head, config.vocab_size, int(model.seq_len))
+
+        def peak(micro: int) -> int:
+            return estimate(config.n_params, devices=world, strategy=strategy, precision=precision,
+                            optimizer=optimizer, shape=shape, micro_batch_size=micro).total
+    else:
+        from hydra.utils import instantiate
+
+        from lightning_par.costs.traced import trace_model
+
+        def peak(micro: int) -> int:
+            traced = trace_model(lambda: instantiate(cfg.model), micro, precision=precision)
+            return estimate_traced(traced, devices=world, strategy=strategy).peak
     m = 1
     try:
-        while 2 * m <= limit and estimate(config.n_params, devices=world, strategy=strategy, precision=precision,
-                                          optimizer=str(cfg.model.get("optimizer", "adamw")), shape=shape,
-                                          micro_batch_size=2 * m).total <= cap:
+        while 2 * m <= limit and peak(2 * m) <= cap:
             m *= 2
-    except ValueError:  # a strategy, precision or optimizer the estimator does not model: start at 1
+    except Exception:  # noqa: BLE001 - a strategy, precision or model the estimator cannot price: start at 1
         return 1
     return m
 
