@@ -257,4 +257,5 @@ def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int],
                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
                    loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
                    unsharded_grads=accumulate > 1 and getattr(strategy, "grad_sync", None) == "last_micro_batch",
+                   reshard_after_forward=getattr(strategy, "reshard_after_forward", True) is not False,
                    mesh=dims.sizes())

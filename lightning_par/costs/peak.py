@@ -9,8 +9,8 @@ The peak of a step is the largest of (docs/cost_model.md):
   unit's full-size gradient), the activations of every unit not yet done (times the micro-batches
   in flight on a pipeline stage), the unit's own transient (the loss's two fp32 B x T x V buffers,
   a block's inner gradients, a checkpointed block's recomputed activations), and under FSDP the
-  all-gathered parameters (the root unit -- embedding and head, never resharded between forward and
-  backward -- plus the current unit and ``prefetch`` more);
+  all-gathered parameters (the root unit -- embedding and head, gathered again for backward: the loss
+  runs with nothing gathered -- plus the current unit and ``prefetch`` more);
 - the optimizer step: parameters, gradients, optimizer state and the step's temporaries (torch's
   foreach Adam: one state-sized temporary; the fused CUDA kernels: none; ZeRO-2: the full-size
   ``.grad``s and the flat copy it reduce-scatters from).
@@ -124,7 +124,17 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
             shape, lay, has_embed, has_head, layers, in_flight, keep, lt * tokens + copies, embed_saved,
             head_saved, tokens, precision, tp, ckpt, head, block, embed):
         grads_now = _grads_during_backward(lay, g, local, psi_shard, done, min(unit_params, unit_max))
-        moments[f"backward {name}"] = base + grads_now + saved_now + transient + gathered_root + gathered_unit
+        if name == "loss" and lay.grads == "fsdp" and lay.reshard_after_forward and gathered_root:
+            # the loss runs after the root's forward resharded every unit (this repository reshards the
+            # root too): nothing is gathered. The head's backward gathers the root again -- its all-gather
+            # buffer and the unsharded parameters copied out of it both alive -- when the loss's fp32
+            # logits are freed and their gradient (the other of its two buffers) is left: measured equal
+            # to FSDPMemTracker's peak there (tests/test_fsdp_peak.py)
+            held = g * local if lay.unsharded_grads else 0.0  # earlier micro-batches' unsynchronised gradients
+            moments["backward loss"] = base + held + saved_now + transient
+            moments["backward head"] = base + held + saved_now + 2 * gathered_root
+        else:
+            moments[f"backward {name}"] = base + grads_now + saved_now + transient + gathered_root + gathered_unit
         done += unit_params
     # the optimizer step
     temp = 0.0

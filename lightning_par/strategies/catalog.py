@@ -71,6 +71,7 @@ class Layout:
     mesh: dict[str, int] = field(default_factory=dict)
     data_parallel: str = "replicate"  # expert_parallel / 3d: how the data axis holds the non-expert states
     unsharded_grads: bool = False  # FSDP grad_sync=last_micro_batch with accumulation: full gradients held
+    reshard_after_forward: bool = True  # FSDP frees every gathered unit, the root's too, after forward
 
 
 @dataclass(frozen=True)
