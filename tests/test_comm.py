@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from lightning_par.costs.comm import CommShape, step_comm_bytes
 from lightning_par.models.gpt import PRESETS, GPTConfig
 from tests.helpers import ROOT
-from tests.sweeps import by_strategy, four_ranks, long_parity, sweep, two_ranks_accumulating
+from tests.sweeps import by_strategy, four_ranks, long_parity, sweep, sweep_dir, two_ranks_accumulating
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -137,21 +137,46 @@ def test_four_ranks_model_parallel_bytes_match_model(strategy):
     assert_comm_matches(model_parallel_4()[strategy])
 
 
-SEQUENCE_PARALLEL_4 = ("strategy=tensor_parallel,fsdp_tp,3d", "strategy.sequence_parallel=true", "trainer.devices=4",
-                      "+model.n_head=4", "trainer.max_steps=3", "trainer.accumulate_grad_batches=1,2")
+ACCUMULATING_4 = ("strategy=tensor_parallel,fsdp_tp,3d", "strategy.sequence_parallel=false,true", "trainer.devices=4",
+                  "+model.n_head=4", "trainer.max_steps=3", "trainer.accumulate_grad_batches=2")
 
 
 @pytest.mark.parametrize("strategy", ["tensor_parallel", "fsdp_tp", "3d"])
-def test_four_ranks_sequence_parallel_bytes_match_model(strategy):
-    """Sequence parallelism: the activation all-reduces become reduce-scatters and all-gathers of the
-    sequence shard, the pipeline sends the shard, and the LayerNorms' gradients are all-reduced once
-    per backward -- with 1 and 2 accumulated micro-batches."""
-    runs = [s for s in sweep(*SEQUENCE_PARALLEL_4) if s["strategy"] == strategy]
-    assert len(runs) == 2
-    for s in runs:
+def test_four_ranks_accumulating_and_sequence_parallel_bytes_match_model(strategy):
+    """The model-parallel strategies with 2 accumulated micro-batches (activations travel per
+    micro-batch; FSDP gathers per micro-batch, under a pipeline once per step), without and with
+    sequence parallelism: its all-reduces become reduce-scatters and all-gathers of the sequence
+    shard, the pipeline sends the shard, and the LayerNorms' gradients are all-reduced once per step
+    (per micro-batch under FSDP). Without accumulation: test_four_ranks_model_parallel_bytes_match_model."""
+    out = sweep_dir(*ACCUMULATING_4)
+    runs = {}
+    for job in (p for p in out.iterdir() if p.is_dir() and p.name.isdigit()):
+        overrides = (job / ".hydra" / "overrides.yaml").read_text()
+        if f"strategy={strategy}\n" in overrides:
+            runs["strategy.sequence_parallel=true" in overrides.lower()] = json.loads((job / "summary.json").read_text())
+    assert set(runs) == {False, True}
+    for s in runs.values():
         assert_comm_matches(s, cross_check=False)
-        got = s["comm"]["bytes_per_step"]
-        assert "reduce_scatter" in got and got["reduce_scatter"].get("tp"), got  # SP's own collective, measured
+    got = runs[True]["comm"]["bytes_per_step"]
+    assert "reduce_scatter" in got and got["reduce_scatter"].get("tp"), got  # SP's own collective, measured
+
+
+@pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline", "fsdp_tp", "3d"])
+def test_estimate_json_predicts_the_runs_comm(strategy, tmp_path):
+    """``mode=estimate`` writes each row's predicted bytes per step (``comm``, keyed as summary.json's);
+    for the configured strategy they equal what the same config's run measured (the shared 4-rank sweep)."""
+    from lightning_par.modes.estimate import run_estimate
+    from tests.helpers import QUICK, composed
+
+    args = [a for a in MODEL_PARALLEL_4 if not a.startswith("strategy=")] + [f"strategy={strategy}"]
+    run_estimate(composed(*QUICK, *args, "mode=estimate", tmp=tmp_path))
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "estimate.json").read_text())["strategies"]}
+    want, got = rows[strategy]["comm"], model_parallel_4()[strategy]["comm"]["bytes_per_step"]
+    assert rows["ddp"]["comm"] == {"all_reduce": {"dp_replicate": 4 * model_parallel_4()[strategy]["n_params"]}}
+    assert {(k, a) for k, ax in got.items() for a in ax} == {(k, a) for k, ax in want.items() for a in ax}, (got, want)
+    for kind, axes in want.items():
+        for axis, nbytes in axes.items():
+            assert abs(got[kind][axis] - nbytes) <= 0.02 * nbytes, (strategy, kind, axis, got, want)
 
 
 def _classify(rank: int, world: int) -> dict:

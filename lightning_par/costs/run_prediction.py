@@ -64,34 +64,42 @@ def comm_shape(config: Any, micro_batch: int, seq: int) -> CommShape | None:
 def predict(trainer: L.Trainer, pl_module: L.LightningModule,
             batch: tuple[int, int] | None) -> dict[str, dict[str, int]] | None:
     strategy = trainer.strategy
+    facts = getattr(strategy, "model_facts", None) or {}
+    clip = trainer.gradient_clip_val
+    return strategy_comm(strategy, mesh=dict(getattr(strategy, "mesh_sizes", None) or {}),
+                         n_params=int(facts.get("n_params", sum(p.numel() for p in pl_module.parameters()))),
+                         config=getattr(pl_module, "config", None), batch=batch, precision=str(trainer.precision),
+                         accumulate=int(trainer.accumulate_grad_batches), grad_clip=bool(clip and clip > 0))
+
+
+def strategy_comm(strategy: Any, *, mesh: dict[str, int], n_params: int, config: Any, batch: tuple[int, int] | None,
+                  precision: str, accumulate: int = 1, grad_clip: bool = False) -> dict[str, dict[str, int]]:
+    """``step_comm_bytes`` for a built strategy (its catalogue entry and options) on ``mesh``:
+    ``batch`` is (sequences per rank per forward -- a pipeline's whole batch, split into its
+    micro-batches --, sequence length); ``config`` the model's (a GPT/MoE config gives the shape)."""
     found = entry_of(strategy)
     if found is None:
         raise ValueError(f"{type(strategy).__name__} is not in the strategy catalogue: no comm model")
-    facts = getattr(strategy, "model_facts", None) or {}
-    mesh = dict(getattr(strategy, "mesh_sizes", None) or {})
     pp = mesh.get("pp", 1)
     pipelined = getattr(strategy, "pipelined", False) or pp > 1
     schedule = str(getattr(strategy, "schedule", "1f1b"))
     n_micro = strategy.n_microbatches_for(pp) if pipelined and hasattr(strategy, "n_microbatches_for") else 1
     virtual = getattr(strategy, "virtual_stages", None) or 1  # the mesh strategies resolve their default
-    config = getattr(pl_module, "config", None)
     shape = comm_shape(config, batch[0] // n_micro, batch[1]) if batch and config is not None else None
-    precision = dtypes.precision(dtypes.canonical_precision(str(trainer.precision)))
+    pr = dtypes.precision(dtypes.canonical_precision(precision))
     param_dtype = getattr(strategy, "param_dtype", None)
-    gather = dtypes.parse_dtype(param_dtype, "param_dtype") if param_dtype else precision.param
+    gather = dtypes.parse_dtype(param_dtype, "param_dtype") if param_dtype else pr.param
     reduce_dtype = getattr(strategy, "reduce_dtype", None)
     reshard = getattr(strategy, "reshard_after_forward", True)
-    clip = trainer.gradient_clip_val
     return step_comm_bytes(
-        found.name, n_params=int(facts.get("n_params", sum(p.numel() for p in pl_module.parameters()))),
-        mesh=mesh, dtype_bytes=dtypes.dtype_bytes(gather), shape=shape, micro_batches=n_micro,
-        reshard_after_forward=True if reshard is None else bool(reshard), schedule=schedule,
+        found.name, n_params=n_params, mesh=mesh, dtype_bytes=dtypes.dtype_bytes(gather), shape=shape,
+        micro_batches=n_micro, reshard_after_forward=True if reshard is None else bool(reshard), schedule=schedule,
         virtual_stages=int(virtual), sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
-        loss_parallel=bool(getattr(strategy, "loss_parallel", False)), grad_clip=bool(clip and clip > 0),
+        loss_parallel=bool(getattr(strategy, "loss_parallel", False)), grad_clip=grad_clip,
         expert_params=int(getattr(config, "n_expert_params", 0) or 0),
         data_parallel=str(getattr(strategy, "data_parallel", "replicate")),
-        activation_bytes=dtypes.dtype_bytes(precision.compute),
-        recompute=bool(getattr(strategy, "activation_checkpointing", False)),
-        accumulate=int(trainer.accumulate_grad_batches),
+        activation_bytes=dtypes.dtype_bytes(pr.compute),
+        recompute=bool(getattr(strategy, "activation_checkpointing", False)), accumulate=accumulate,
         grad_sync=str(getattr(strategy, "grad_sync", "every_micro_batch")),
-        reduce_dtype_bytes=dtypes.dtype_bytes(dtypes.parse_dtype(reduce_dtype, "reduce_dtype")) if reduce_dtype else None)
+        reduce_dtype_bytes=(dtypes.dtype_bytes(dtypes.parse_dtype(reduce_dtype, "reduce_dtype"))
+                            if reduce_dtype else None))

@@ -81,6 +81,9 @@ def run_estimate(cfg: Any) -> str:
         rows.append(replace(row_estimate(name, micro, strategy_layout(name, strategy, dims, tiling, accumulate)),
                             micro_batch_size=micro))
         rows.sort(key=lambda r: [e.name for e in CATALOG].index(r.strategy))
+        n_params = model if isinstance(model, int) else model.units()["total"]
+        comm = [_row_comm(r, strategy if r.strategy == name else None, n_params, shape, precision, accumulate,
+                          int(cfg.data.get("seq_len") or 0)) for r in rows]
         table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
                                                    unit=str(opts.get("unit", "GiB")), micro_batch_size=micro,
                                                    traced=bool(traces), **kw)])
@@ -91,11 +94,32 @@ def run_estimate(cfg: Any) -> str:
     record = {"world_size": n, "strategy": name, "mesh": dims.sizes(), "precision": precision,
               "optimizer": optimizer, "micro_batch_size": micro, "checkpointing": checkpointing, "device": device, "seq_len": shape.seq_len if shape else None,
               "n_params": model if isinstance(model, int) else model.units()["total"],
-              "strategies": [r.as_dict() for r in rows]}
+              "strategies": [{**r.as_dict(), "comm": c} for r, c in zip(rows, comm)]}
     with open(os.path.join(out_dir, "estimate.json"), "w") as f:
         json.dump(record, f, indent=2)
     print(table)
     return table
+
+
+def _row_comm(row: MemoryEstimate, strategy: Any, n_params: int, shape: Any, precision: str, accumulate: int,
+              seq: int) -> dict[str, dict[str, int]] | None:
+    """A row's predicted bytes per step and rank (``costs/comm.py``), keyed as summary.json's ``comm``:
+    the configured strategy's with its own options, a family row's with the defaults; None where the
+    comm model does not cover it."""
+    from lightning_par.costs.comm import step_comm_bytes
+    from lightning_par.costs.run_prediction import comm_shape, strategy_comm
+    from lightning_par.costs.states import bytes_per_param
+
+    micro = row.micro_batch_size or 1
+    try:
+        if strategy is not None:
+            return strategy_comm(strategy, mesh=row.mesh, n_params=n_params, config=shape, batch=(micro, seq),
+                                 precision=precision, accumulate=accumulate)
+        return step_comm_bytes(row.strategy, n_params=n_params, mesh=row.mesh,
+                               dtype_bytes=int(bytes_per_param(precision, "adamw")[1]),
+                               shape=comm_shape(shape, micro, seq) if shape is not None else None, accumulate=accumulate)
+    except ValueError:
+        return None
 
 
 def _module(model_cfg: Any) -> Any:
