@@ -153,7 +153,8 @@ def test_four_ranks_accumulating_and_sequence_parallel_bytes_match_model(strateg
     for job in (p for p in out.iterdir() if p.is_dir() and p.name.isdigit()):
         overrides = (job / ".hydra" / "overrides.yaml").read_text()
         if f"strategy={strategy}\n" in overrides:
-            runs["strategy.sequence_parallel=true" in overrides.lower()] = json.loads((job / "summary.json").read_text())
+            sp = "strategy.sequence_parallel=true" in overrides.lower()
+            runs[sp] = json.loads((job / "summary.json").read_text())
     assert set(runs) == {False, True}
     for s in runs.values():
         assert_comm_matches(s, cross_check=False)

@@ -117,7 +117,8 @@ def _row_comm(row: MemoryEstimate, strategy: Any, n_params: int, shape: Any, pre
                                  precision=precision, accumulate=accumulate)
         return step_comm_bytes(row.strategy, n_params=n_params, mesh=row.mesh,
                                dtype_bytes=int(bytes_per_param(precision, "adamw")[1]),
-                               shape=comm_shape(shape, micro, seq) if shape is not None else None, accumulate=accumulate)
+                               shape=comm_shape(shape, micro, seq) if shape is not None else None,
+                               accumulate=accumulate)
     except ValueError:
         return None
 
