@@ -354,27 +354,24 @@ def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[st
 
 
 def _tiled_offload(ask: _Ask, micro: int, reasons: list[str]) -> Candidate | None:
-    """ZeRO-3 + CPU offload with the largest linears tiled, the fewest tiles that fit (ZeRO-Infinity)."""
+    """ZeRO-3 + CPU offload with every large layer tiled -- each block's linears (attention and MLP),
+    the output head and the vocabulary embedding -- the fewest tiles that fit (ZeRO-Infinity)."""
     shape = ask.shape
     u = shape.units()
-    linears = sorted((k.split(".", 1)[1] for k in u if k.startswith("block.")), key=lambda k: -u[f"block.{k}"])
-    big = [name for name in linears if u[f"block.{name}"] >= 0.25 * u["block"]]  # the MLP matrices
-    out_features = {name: (shape.mlp_ratio * shape.n_embd if name == "mlp.fc" else shape.n_embd) for name in big}
+    linears = [k.split(".", 1)[1] for k in u if k.startswith("block.") and k.count(".") >= 2]
+    out_features = {name: (shape.mlp_ratio * shape.n_embd if name == "mlp.fc" else shape.n_embd) for name in linears}
     e = next(e for e in CATALOG if e.name == "zero3_offload")
     for k in TILES:
-        if any(out_features[name] % k for name in big) or shape.vocab_size % k:
+        if any(out_features[name] % k for name in linears) or shape.vocab_size % k:
             continue
-        tiling = {f"net.blocks.{i}.{name}": k for i in range(shape.n_layer) for name in big}
-        tiling["net.head.lm_head"] = k
+        tiling = {f"net.blocks.{i}.{name}": k for i in range(shape.n_layer) for name in linears}
+        tiling.update({"net.head.lm_head": k, "net.embed.tok": k})
         text = "{" + ",".join(f"{p}:{t}" for p, t in tiling.items()) + "}"
         for option in _variants(e, Option((f"+strategy.tiling={text}",), {"tiling": tiling}), ask.precision):
             cand = _price(e, option, micro, ask)
             if cand is not None and cand.fits:
-                reasons.append(f"even ZeRO-3 with offload must all-gather a whole layer; tiling the MLP linears and "
-                               f"the output head into {k} tiles (each its own FSDP unit) brings the peak to "
-                               f"{cand.memory.peak / GIB:.1f} GiB")
+                reasons.append(f"even ZeRO-3 with offload must all-gather a whole layer; tiling every block's "
+                               f"linears, the output head and the embedding into {k} tiles (each its own FSDP unit) "
+                               f"brings the peak to {cand.memory.peak / GIB:.1f} GiB")
                 return cand
-    if u["embed_table"] * 4 > ask.budget:
-        reasons.append("the embedding table alone exceeds a device and cannot be tiled: tensor parallelism "
-                       "(vocabulary-parallel embedding) within a node is needed")
     return None

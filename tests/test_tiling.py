@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_par import ConfigError
-from lightning_par.parallel.tiling import TiledLinear, apply_tiling, check_tiling
+from lightning_par.parallel.tiling import TiledEmbedding, TiledLinear, apply_tiling, check_tiling
 from tests.dist import run_distributed
 from tests.helpers import QUICK, assert_losses_match, train_summary
 
@@ -50,10 +50,51 @@ def test_bad_tiling_is_one_line():
         check_tiling({"net.head.lm_head": 2}, {"head.lm_head": "output"})
 
 
+def test_tiled_embedding_is_the_same_function():
+    """Row tiles of the vocabulary: the same lookups, the same gradient rows, padding_idx kept."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(24, 8, padding_idx=13)
+    tiled = TiledEmbedding(emb, 4)
+    assert tiled.tiles[2].padding_idx == 1 and tiled.tiles[0].padding_idx is None
+    ids = torch.randint(0, 24, (3, 11))
+    y_ref, y = emb(ids), tiled(ids)
+    torch.testing.assert_close(y, y_ref, atol=0, rtol=0)
+    g = torch.randn_like(y)
+    y_ref.backward(g)
+    y.backward(g)
+    torch.testing.assert_close(torch.cat([t.weight.grad for t in tiled.tiles]), emb.weight.grad, atol=1e-6, rtol=0)
+
+
+def test_tied_weights_are_not_tiled():
+    head = nn.Linear(8, 24, bias=False)
+    model = nn.ModuleDict({"emb": nn.Embedding(24, 8), "head": head})
+    model["emb"].weight = head.weight
+    with pytest.raises(ConfigError, match="tied to"):
+        apply_tiling(model, {"head": 2})
+    with pytest.raises(ConfigError, match="only nn.Linear and nn.Embedding"):
+        apply_tiling(nn.ModuleDict({"norm": nn.LayerNorm(8)}), {"norm": 2})
+
+
 @pytest.mark.slow
 def test_tiled_fsdp_matches_untiled_single(tmp_path):
+    """Every kind of large layer tiled at once -- the vocabulary embedding (row tiles), attention
+    projections, the MLP and the head -- under fsdp at 2 ranks: the untiled single run's losses."""
     ref = train_summary(QUICK, tmp_path / "single")
-    got = train_summary([*QUICK, "strategy=fsdp", "trainer.devices=2", "+strategy.tiling={net.head.lm_head:4}"],
+    tiling = ("{net.head.lm_head:4,net.embed.tok:4,net.blocks.0.attn.wq:2,net.blocks.1.attn.wo:2,"
+              "net.blocks.0.mlp.fc:4}")
+    got = train_summary([*QUICK, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={tiling}"],
+                        tmp_path / "fsdp_tiled")
+    assert_losses_match(got, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_tiled_hugging_face_model_matches_untiled_single(tmp_path):
+    """A Hugging Face Llama (built from a config) with its token embedding, a query projection and an
+    MLP projection tiled, under fsdp at 2 ranks: the untiled single run's losses (rtol 1e-5)."""
+    hf = ["model=hf_causal_lm", "model.hidden=64", "model.intermediate=128"]
+    ref = train_summary([*QUICK, *hf], tmp_path / "single")
+    tiling = "{net.model.embed_tokens:4,net.model.layers.0.self_attn.q_proj:2,net.model.layers.1.mlp.gate_proj:4}"
+    got = train_summary([*QUICK, *hf, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={tiling}"],
                         tmp_path / "fsdp_tiled")
     assert_losses_match(got, ref, rtol=1e-5)
 

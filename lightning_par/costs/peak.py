@@ -169,15 +169,18 @@ def layer_params(shape: act.Shape, u: dict, lay: Layout) -> tuple[float, float, 
 def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: float, embed: float,
                head: float) -> tuple[float, float]:
     """(root unit, largest other unit) in parameters on one rank: the root holds what no unit claims
-    (embedding, final norm, head); blocks are units; each tile of a tiled linear is a unit of its own
-    (``parallel/tiling.py``: ``net.head.lm_head`` or ``net.blocks.<i>.<path>``; every block is
-    assumed tiled alike)."""
+    (embedding, final norm, head); blocks are units; each tile of a tiled layer is a unit of its own
+    (``parallel/tiling.py``: ``net.head.lm_head``, ``net.embed.tok`` or ``net.blocks.<i>.<path>``;
+    every block is assumed tiled alike)."""
     tp = lay.tp
     tiles, block_unit, root = [], block, embed + head
     for path, k in lay.tiling.items():
         if path.endswith("head.lm_head") and has_head:
             root -= u["lm_head"] / tp
             tiles.append(u["lm_head"] / tp / k)
+        elif path.endswith("embed.tok") and has_embed:  # the vocabulary in row tiles
+            root -= u["embed_table"] / tp
+            tiles.append(u["embed_table"] / tp / k)
         elif ".blocks." in f".{path}":
             name = "block." + path.split(".blocks.", 1)[1].split(".", 1)[1]
             if name in u:

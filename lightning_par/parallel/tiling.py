@@ -1,6 +1,11 @@
 """Memory-centric tiling (ZeRO-Infinity, Rajbhandari et al. 2021, section 5.1.3): a layer too large to
 gather whole is split into tiles computed one after another.
 
+Every large layer can be tiled: ``TiledLinear`` (any ``nn.Linear``: attention q/k/v/o, a fused qkv,
+the MLP, the output head, in our GPT and in Hugging Face models alike) and ``TiledEmbedding`` (an
+``nn.Embedding``: row tiles of the vocabulary). A weight tied to another module's is refused (tiling
+would untie it).
+
 ``TiledLinear`` replaces an ``nn.Linear(in, out)`` by ``k`` linears of ``out / k`` output features
 each (row blocks of the weight ``W = [W_1; ...; W_k]``, the bias likewise), applied in turn and
 concatenated along the last dimension::
@@ -65,27 +70,84 @@ class TiledLinear(nn.Module):
         return out
 
 
-def tileable(model: nn.Module, path: str, tiles: int) -> nn.Linear:
-    """The ``nn.Linear`` at ``path`` if it can be cut into ``tiles`` row blocks; else one line."""
+class TiledEmbedding(nn.Module):
+    """``nn.Embedding`` as ``tiles`` row blocks of the vocabulary, looked up one after another: each
+    tile embeds the tokens in its rows (the others read row 0 and are multiplied by 0), and the
+    tiles' outputs are summed -- every token gets exactly its row, and only its tile's row gets a
+    gradient. ``padding_idx`` stays with the tile that holds it."""
+
+    def __init__(self, embedding: nn.Embedding, tiles: int) -> None:
+        super().__init__()
+        vocab, dim = embedding.weight.shape
+        if tiles < 2 or vocab % tiles:
+            raise ConfigError(f"tiling: {tiles} tiles must be >= 2 and divide num_embeddings={vocab}")
+        if embedding.max_norm is not None or embedding.sparse:
+            raise ConfigError("tiling: an nn.Embedding with max_norm or sparse gradients cannot be tiled")
+        self.num_embeddings, self.embedding_dim, self.n_tiles = vocab, dim, tiles
+        self.rows = rows = vocab // tiles
+        pad = embedding.padding_idx
+
+        def local_pad(i: int) -> int | None:
+            return pad - i * rows if pad is not None and i * rows <= pad < (i + 1) * rows else None
+
+        with torch.device(embedding.weight.device):
+            self.tiles = nn.ModuleList(nn.Embedding(rows, dim, padding_idx=local_pad(i), dtype=embedding.weight.dtype)
+                                       for i in range(tiles))
+        if embedding.weight.device.type != "meta":
+            with torch.no_grad():
+                for i, tile in enumerate(self.tiles):
+                    tile.weight.copy_(embedding.weight[i * rows:(i + 1) * rows])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = None
+        for i, tile in enumerate(self.tiles):
+            local = ids - i * self.rows
+            mine = (local >= 0) & (local < self.rows)
+            part = tile(torch.where(mine, local, torch.zeros_like(local))) * mine.unsqueeze(-1).to(tile.weight.dtype)
+            out = part if out is None else out + part
+        return out
+
+    def tile_sources(self) -> dict[str, tuple[str, slice]]:
+        """``tiles.i.weight -> (weight, its rows of the vocabulary)``."""
+        return {f"tiles.{i}.weight": ("weight", slice(i * self.rows, (i + 1) * self.rows))
+                for i in range(self.n_tiles)}
+
+
+TILED = (TiledLinear, TiledEmbedding)
+
+
+def tileable(model: nn.Module, path: str, tiles: int) -> nn.Module:
+    """The ``nn.Linear`` or ``nn.Embedding`` at ``path`` if it can be cut into ``tiles`` row blocks;
+    else one line."""
+    from lightning_par.parallel.ties import tied_parameters
+
     try:
         layer = model.get_submodule(path)
     except AttributeError:
         raise ConfigError(f"tiling: {type(model).__name__} has no module {path!r}") from None
-    if not isinstance(layer, nn.Linear):
-        raise ConfigError(f"tiling: {path} is a {type(layer).__name__}; only nn.Linear layers can be tiled")
-    if tiles < 2 or layer.out_features % tiles:
-        raise ConfigError(f"tiling: {tiles} tiles must be >= 2 and divide out_features={layer.out_features}")
+    if not isinstance(layer, (nn.Linear, nn.Embedding)):
+        raise ConfigError(f"tiling: {path} is a {type(layer).__name__}; only nn.Linear and nn.Embedding layers "
+                          "can be tiled")
+    rows = layer.out_features if isinstance(layer, nn.Linear) else layer.num_embeddings
+    if tiles < 2 or rows % tiles:
+        what = "out_features" if isinstance(layer, nn.Linear) else "num_embeddings"
+        raise ConfigError(f"tiling: {tiles} tiles must be >= 2 and divide {what}={rows} of {path}")
+    for a, b in tied_parameters(model):
+        if f"{path}.weight" in (a, b):
+            raise ConfigError(f"tiling: {path}'s weight is tied to {b if a == f'{path}.weight' else a}; tiling would "
+                              "untie them: tile another layer")
     return layer
 
 
 def apply_tiling(model: nn.Module, tiling: Mapping[str, int]) -> list[str]:
-    """Replace each ``nn.Linear`` named in ``tiling`` (path in ``model`` -> tile count) by a
-    ``TiledLinear``; returns the tile paths (in model order), which become FSDP units."""
+    """Replace each layer named in ``tiling`` (path in ``model`` -> tile count) by a ``TiledLinear``
+    or ``TiledEmbedding``; returns the tile paths (in model order), which become FSDP units."""
     paths = []
     for path, k in tiling.items():
         layer = tileable(model, path, int(k))
         parent_path, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, name, TiledLinear(layer, int(k)))
+        tiled = TiledLinear(layer, int(k)) if isinstance(layer, nn.Linear) else TiledEmbedding(layer, int(k))
+        setattr(model.get_submodule(parent_path) if parent_path else model, name, tiled)
         paths += [f"{path}.tiles.{i}" for i in range(int(k))]
     return paths
 
@@ -95,7 +157,7 @@ def tile_sources(model: nn.Module, canonical: object = str) -> dict[str, list[tu
     ``canonical`` (a function) writes them."""
     out: dict[str, list[tuple[str, slice]]] = {}
     for path, mod in model.named_modules():
-        if isinstance(mod, TiledLinear):
+        if isinstance(mod, TILED):
             prefix = canonical(path)  # type: ignore[operator]
             for piece, (full, rows) in mod.tile_sources().items():
                 out.setdefault(f"{prefix}.{full}", []).append((f"{prefix}.{piece}", rows))
