@@ -26,14 +26,15 @@ from lightning_par.parallel.fsdp import apply_fsdp
 SHAPES = [(4, 256, 8192, 4, 512), (2, 512, 256, 4, 256), (8, 128, 32000, 2, 256), (1, 1024, 4096, 6, 384)]
 
 
-def tracked_peak(n: int, replicate: int, shape: tuple[int, int, int, int, int]) -> int:
+def tracked_peak(n: int, replicate: int, shape: tuple[int, int, int, int, int], bf16: bool = False) -> int:
     b, t, v, layers, width = shape
     cfg = GPTConfig(vocab_size=v, block_size=t, n_layer=layers, n_head=8, n_embd=width)
     mesh = (init_device_mesh("cpu", (replicate, n // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
             if replicate > 1 else init_device_mesh("cpu", (n,), mesh_dim_names=("dp_shard",)))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = GPT(cfg)
-        apply_fsdp(model, mesh=mesh, units=[f"blocks.{i}" for i in range(layers)], prefetch=1)
+        apply_fsdp(model, mesh=mesh, units=[f"blocks.{i}" for i in range(layers)], prefetch=1,
+                   param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None)
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
         x = torch.randint(0, v, (b, t))
 
@@ -54,15 +55,18 @@ def tracked_peak(n: int, replicate: int, shape: tuple[int, int, int, int, int]) 
 def main() -> None:
     n = int(sys.argv[1])
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    layouts = [("zero3", 1), ("fsdp", 1)] + ([("hsdp", 2)] if n >= 4 else [])
+    # (name, strategy, replicate, bf16 gathers: FSDP mixed precision, param_dtype bf16, reduce_dtype fp32)
+    layouts = [("zero3", "zero3", 1, False), ("fsdp", "fsdp", 1, False), ("fsdp bf16-gather", "fsdp", 1, True)] + (
+        [("hsdp", "hsdp", 2, False)] if n >= 4 else [])
     for shape in SHAPES:
-        for strategy, replicate in layouts:
+        for name, strategy, replicate, bf16 in layouts:
             b, t, v, layers, width = shape
             cfg = GPTConfig(vocab_size=v, block_size=t, n_layer=layers, n_head=8, n_embd=width)
+            options = {"replicate": replicate} if replicate > 1 else {}
             est = estimate(Shape.of(cfg, t), devices=n, strategy=strategy, precision="32-true", optimizer="adamw",
-                           micro_batch_size=b, device="cpu", **({"replicate": replicate} if replicate > 1 else {}))
-            print(json.dumps({"ranks": n, "strategy": strategy, "shape": shape,
-                              "tracked": tracked_peak(n, replicate, shape), "estimated": est.peak,
+                           micro_batch_size=b, device="cpu", **options, **({"gather_bytes": 2} if bf16 else {}))
+            print(json.dumps({"ranks": n, "strategy": name, "shape": shape,
+                              "tracked": tracked_peak(n, replicate, shape, bf16), "estimated": est.peak,
                               "moment": est.moment}), flush=True)
 
 

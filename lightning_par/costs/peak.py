@@ -84,7 +84,9 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     if lay.cpu_offload:
         host, params, opt, grads_steady = int(params + opt + grads_steady), 0, 0, 0
 
-    # activations per micro-batch
+    # activations per micro-batch: FSDP mixed precision's bf16 parameters make a 32-true run compute in
+    # bf16 (its activations, no autocast copies), as bf16-true does
+    precision = "bf16-true" if lay.grads == "fsdp" and lay.gather_bytes == 2 and precision == "32-true" else precision
     selective = ckpt == "selective"  # recompute the attention core only; True / "full": whole blocks
     ckpt = bool(ckpt) and not selective
     lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel,
