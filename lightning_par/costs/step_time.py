@@ -16,6 +16,11 @@
   expert-parallel (all-to-all) and pipeline traffic, ZeRO-2's one reduce-scatter after backward, the
   collectives after the optimizer step (ZeRO-1's broadcast, ZeRO-2's all-gather) and the mesh
   strategies' average of replicated gradients after backward sit on the critical path, exposed whole.
+  Each critical-path collective also costs its start-up latency (``latency_us``: per layer TP's 6,
+  expert parallelism's 4 all-to-alls per MoE layer and 2 more under recomputation, 2 pipeline
+  transfers per micro-batch and stage), which dominates for small models. ``Device.overlap`` is the
+  share of the overlappable traffic a device really hides: 1 on a GPU (its own streams), 0 on a CPU
+  with gloo, whose collectives take the cores the matmuls need -- then every call's latency counts.
 - **bubble**: a pipeline rank idles ``f / (1 - f)`` of its compute, ``f`` the schedule's theoretical
   bubble fraction (``parallel/pipeline.theoretical_bubble``: ``(p-1)/(m+p-1)`` for GPipe/1F1B,
   ``(p-1)/(v m+p-1)`` interleaved).
@@ -63,6 +68,8 @@ class Device:
     host_link_gbs: float = 25.0  # device <-> host, GB/s per device
     host_adam_gbs: float = 20.0  # bytes of optimizer traffic per second per rank for a host Adam step
     latency_us: float = 20.0  # start-up time of one collective on the critical path (NCCL, small messages)
+    overlap: float = 1.0  # share of the overlappable traffic that runs beside compute: 1 on a GPU (its own
+    # streams and copy engines); on a CPU with gloo the collectives use the cores the matmuls need: 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,21 @@ def flops_per_token(shape: Shape) -> float:
         weights += shape.n_moe_layers * (u["moe_matmul"] + shape.top_k * per_expert)
     attention = 4 * shape.seq_len * shape.n_embd * shape.n_layer  # QK^T and AV, forward
     return 3 * (2 * weights + attention)
+
+
+def data_parallel_calls(traffic: str, shape: Shape, mesh: dict[str, int], forwards: int) -> int:
+    """Collectives a strategy issues per step on its data axes (their latency is hidden with their
+    bytes where they overlap compute): DDP's 25 MB buckets, ZeRO-1's buckets and its broadcasts
+    (issued together, asynchronously: one latency), ZeRO-2's reduce-scatter, all-gather and flag all-reduce, FSDP's two gathers and
+    one reduce-scatter per unit (the blocks and the root) and forward."""
+    if not any(int(mesh.get(a, 1)) > 1 for a in ("dp_replicate", "dp_shard", "ep")):
+        return 0
+    u = shape.units()
+    buckets = -(-u["total"] * 4 // (25 * 2**20))
+    return {"all_reduce": buckets, "zero1": buckets + 1, "zero2": 3,
+            "fsdp": 3 * (shape.n_layer + 1) * forwards, "fsdp_tp": 3 * (shape.n_layer + 1) * forwards,
+            "pipeline": 3 * (shape.n_layer + 1), "3d": 3 * (shape.n_layer + 1),
+            "expert_parallel": 3 * (shape.n_layer + 1) * forwards}.get(traffic, 0)
 
 
 def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch: int, comm: dict[str, dict[str, int]],
@@ -138,7 +160,7 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
         hidden += copies
         # the host Adam step reads parameters, gradients and both moments and writes three of them back
         offload = 28 * offloaded_params / (device.host_adam_gbs * 1e9)
-    exposed += max(0.0, hidden - compute)
+    exposed += max(0.0, device.overlap * hidden - compute) + (1 - device.overlap) * hidden
     forwards = micro_batches if pp > 1 else accumulate
     calls = 0
     if tp > 1:
@@ -147,5 +169,6 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
         calls += forwards * shape.n_moe_layers * (6 if recompute else 4)
     if pp > 1:
         calls += 2 * forwards * virtual_stages
+    calls += (1 - device.overlap) * data_parallel_calls(traffic, shape, mesh, forwards)
     exposed += calls * device.latency_us * 1e-6
     return StepTime(compute, exposed, bubble, offload, model_flops, devices, peak)
