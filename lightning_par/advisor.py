@@ -26,9 +26,9 @@ for each of them the variants a practitioner would try:
 - FSDP mixed precision for every FSDP-sharded plan under ``bf16-mixed``: parameters gathered in bf16,
   gradients reduced in fp32 (``strategy.param_dtype=bf16 strategy.reduce_dtype=fp32``);
 - sequence parallelism for tensor-parallel plans, the interleaved 1F1B schedule for pipelines;
-- 8-bit optimizer states (torchao's AdamW8bit) on one device, CPU offload (``zero3_offload``), and
-  when nothing else fits, memory-centric tiling (``strategy.tiling``) of every linear whose FSDP unit
-  does not fit.
+- 8-bit optimizer states (torchao's AdamW8bit) on one device, and for every plan when none fits with
+  fp32 states; CPU offload (``zero3_offload``); and when nothing else fits, memory-centric tiling
+  (``strategy.tiling``) of every block linear, the head and the embedding.
 
 Mixture-of-experts models add expert parallelism (``expert_parallel``, ep = the largest divisor of
 the expert count within a node, the rest replicated or FSDP); its all-to-all of the routed tokens is
@@ -284,17 +284,7 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     fleet = Fleet(cluster.devices, cluster.devices_per_node, cluster.nodes,
                   shape.n_experts if shape.n_moe_layers else 0, optimizer)
-    cands: list[Candidate] = []
-    for e in sorted((e for e in CATALOG if e.advise), key=lambda e: e.preference):
-        for option in e.advise(fleet):
-            priced = [c for o in _variants(e, option, precision) for k in MICRO_STEPS
-                      if (c := _price(e, o, micro_batch_size * k, ask)) is not None]
-            by_label: dict[str, list[Candidate]] = {}
-            for c in priced:
-                by_label.setdefault(c.label, []).append(c)
-            for group in by_label.values():  # one row per variant: its fastest fitting micro-batch
-                fitting = [c for c in group if c.fits]
-                cands.append(_best(fitting) if fitting else min(group, key=lambda c: c.memory.peak))
+    cands = _priced_plans(fleet, ask, micro_batch_size)
     reasons: list[str] = []
     whole = estimate(shape, devices=1, strategy="single", micro_batch_size=micro_batch_size, precision=precision,
                      optimizer=optimizer, checkpointing=checkpointing, device="cuda")
@@ -304,6 +294,13 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
         reasons.append(f"the whole step needs {gib(whole.peak)} at its peak ({whole.moment}): "
                        f"more than one device ({gib(budget)} usable)")
     fitting = [c for c in cands if c.fits]
+    if not fitting and optimizer in ("adamw", "adam"):  # 8-bit AdamW states (torchao) before tiling
+        eight = _priced_plans(fleet, ask, micro_batch_size, eight_bit=True)
+        cands += eight
+        fitting = [c for c in eight if c.fits]
+        if fitting:
+            reasons.append("with AdamW's states in 8 bits (torchao AdamW8bit: 2 bytes per parameter instead of 8) "
+                           f"{len(fitting)} plan{'s' if len(fitting) > 1 else ''} fit")
     if not fitting:
         tiled = _tiled_offload(ask, micro_batch_size, reasons)
         if tiled is not None:
@@ -319,6 +316,28 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
     reasons += _why(best, fitting, cluster)
     return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,
                   model_overrides(shape, preset, best.global_batch), precision, best)
+
+
+def _priced_plans(fleet: Fleet, ask: _Ask, micro: int, eight_bit: bool = False) -> list[Candidate]:
+    """Every catalogue entry's plans and their variants, one row per variant at its fastest fitting
+    micro-batch size (else its smallest peak); ``eight_bit``: each with 8-bit AdamW states instead
+    (the one-device entry offers those itself)."""
+    out: list[Candidate] = []
+    for e in sorted((e for e in CATALOG if e.advise), key=lambda e: e.preference):
+        for option in e.advise(fleet):
+            if eight_bit:
+                if option.optimizer is not None or e.name == "single":
+                    continue
+                option = Option((*option.overrides, "model.optimizer=adamw8bit"), option.layout, "adamw8bit")
+            priced = [c for o in _variants(e, option, ask.precision) for k in MICRO_STEPS
+                      if (c := _price(e, o, micro * k, ask)) is not None]
+            by_label: dict[str, list[Candidate]] = {}
+            for c in priced:
+                by_label.setdefault(c.label, []).append(c)
+            for group in by_label.values():
+                fitting = [c for c in group if c.fits]
+                out.append(_best(fitting) if fitting else min(group, key=lambda c: c.memory.peak))
+    return out
 
 
 def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[str]:
@@ -341,7 +360,7 @@ def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[st
         out.append(f"{best.label} replicates or shards the experts like every other weight: its gradient "
                    "reduction overlaps backward, while expert parallelism's all-to-all of the tokens sits on the "
                    "critical path of every MoE layer")
-    if "model.optimizer=adamw8bit" in best.overrides:
+    if "model.optimizer=adamw8bit" in best.overrides and best.strategy == "single":
         out.append(f"with 8-bit AdamW states (torchao AdamW8bit) the step fits one device "
                    f"({best.memory.peak / GIB:.1f} GiB at its peak): no sharding or offload needed")
     if best.host_bytes:

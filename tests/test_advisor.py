@@ -49,6 +49,10 @@ CASES = {
                              "zero3_offload"),
     "13b-2x24-host-unstated": (["--params", "13e9", "--layers", "40", "--hidden", "5120", "--vocab", "32000",
                                 "--devices-per-node", "2", "--device-memory", "24"], "zero3_offload"),
+    # issue 22's: 8-bit states weighed on many devices too -- 13B on 8 x 24 GB with 64 GiB of host memory
+    # per node (offload needs 121): only FSDP with 8-bit AdamW states fits
+    "13b-8x24-8bit": (["--params", "13e9", "--layers", "40", "--hidden", "5120", "--vocab", "32000",
+                       "--devices-per-node", "8", "--device-memory", "24", "--host-memory", "64"], "fsdp"),
     # issue 22's: 2 layers of 5B parameters each on one 8 GB device: offload, tiling and bf16 gathers
     "5b-layers-one-8gb": (["--params", "11.4e9", "--layers", "2", "--hidden", "20480", "--vocab", "32000",
                            "--devices-per-node", "1", "--device-memory", "8"], "zero3_offload"),
@@ -168,7 +172,8 @@ def scaled(command: str, devices: int) -> list[str]:
                                           ("1.5b-one-24gb-8bit", 1), ("moe-8x-top2-2-nodes", 4),
                                           ("moe-small-8x24", 2), ("moe-8x-top2-one-node", 4),
                                           ("70b-8-nodes-50gbs", 4), ("405b-16-nodes", 8),
-                                          ("13b-2x24-host-stated", 2), ("5b-layers-one-8gb", 1)])
+                                          ("13b-2x24-host-stated", 2), ("5b-layers-one-8gb", 1),
+                                          ("13b-8x24-8bit", 2)])
 def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answers, tmp_path: Path):
     """Every printed command, scaled down, builds and passes ``train.validate`` (names, mesh, batch split)
     in this process -- what a run checks before any process starts. Two of them also run (below)."""
@@ -316,3 +321,12 @@ def test_advisor_options_checked() -> None:
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
             main(["--model", "gpt2", *bad])
         assert e.value.code == 2 and "must be" in err.getvalue().strip().splitlines()[-1], (bad, err.getvalue())
+
+
+def test_8bit_states_are_weighed_on_many_devices(answers):
+    """When no plan fits with AdamW's fp32 states (and offload is ruled out by the host memory stated),
+    every plan is priced again with 8-bit states: FSDP with them fits."""
+    out = answers["13b-8x24-8bit"]
+    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
+    assert command.startswith("python run.py strategy=fsdp ") and "model.optimizer=adamw8bit" in command, out
+    assert "states in 8 bits" in out and "fits one device" not in out
