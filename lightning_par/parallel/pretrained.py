@@ -90,21 +90,105 @@ class WeightRef:
         return self.weights.read(self.key, index)
 
 
+class MergedRef(WeightRef):
+    """A model tensor that the checkpoint stores in pieces, as transformers' own loader converts it
+    (``transformers.conversion_mapping``: an MoE checkpoint keeps one tensor per expert and
+    projection, ``experts.<i>.w1.weight``, where the model holds ``experts.gate_up_proj`` of every
+    expert): ``pieces`` per source pattern, stacked along ``stack`` (``MergeModulelist``), the
+    stacks concatenated along ``concat`` (``Concatenate``). Indexing reads only the experts asked for
+    along the stacked dimension (an FSDP or expert-parallel shard), then slices the rest."""
+
+    def __init__(self, weights: SafetensorsWeights, pieces: list[list[str]], stack: int, concat: int | None) -> None:
+        self.weights, self.pieces, self.stack, self.concat = weights, pieces, stack, concat
+        self.key = " + ".join(keys[0].replace(".0.", ".*.", 1) if len(keys) > 1 else keys[0] for keys in pieces)
+        one = weights.shape(pieces[0][0])
+        shape = [*one[:stack], len(pieces[0]), *one[stack:]]
+        if concat is not None:
+            shape[concat] = sum([*weights.shape(keys[0])[:stack], len(keys), *weights.shape(keys[0])[stack:]][concat]
+                                for keys in pieces)
+        self.shape = torch.Size(shape)
+
+    def __getitem__(self, index: tuple[slice, ...] | slice) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        picked = index[0] if self.stack == 0 and index else slice(None)
+        parts = [torch.stack([self.weights.read(k) for k in keys[picked]], dim=self.stack) for keys in self.pieces]
+        whole = parts[0] if self.concat is None else torch.cat(parts, dim=self.concat)
+        rest = index[1:] if self.stack == 0 and index else index
+        return whole[(slice(None), *rest)] if rest else whole
+
+
 class WeightSources:
     """Every pretrained declaration of a model (``contract.pretrained_of``), opened, with the tied
     names (a tied head is saved once, under the name it shares) -- taken before any technique."""
 
-    def __init__(self, sources: Mapping[str, SafetensorsWeights], aliases: Mapping[str, str]) -> None:
+    def __init__(self, sources: Mapping[str, SafetensorsWeights], aliases: Mapping[str, str],
+                 conversions: Mapping[str, list[Any]] | None = None) -> None:
         self.sources = dict(sources)  # module path prefix ("" or "net.") -> its checkpoint
         self.aliases = dict(aliases)  # full tensor name -> the full name it shares a Parameter with
+        self.conversions = dict(conversions or {})  # prefix -> transformers' weight conversions of that model
 
     def find(self, name: str) -> WeightRef | None:
         """The checkpoint tensor for the model's tensor ``name`` (canonical, full path), or None."""
         for candidate in (name, self.aliases.get(name)):
             for prefix, weights in self.sources.items():
-                if candidate is not None and candidate.startswith(prefix) and candidate[len(prefix):] in weights:
-                    return WeightRef(weights, candidate[len(prefix):])
+                if candidate is None or not candidate.startswith(prefix):
+                    continue
+                local = candidate[len(prefix):]
+                if local in weights:
+                    return WeightRef(weights, local)
+                ref = _converted(local, weights, self.conversions.get(prefix) or [])
+                if ref is not None:
+                    return ref
         return None
+
+
+def _renamed_back(name: str, conversions: list[Any]) -> list[str]:
+    """``name`` and what the checkpoint may call it under transformers' plain renamings (a target
+    string replaced by its source: ``.mlp.`` -> ``.block_sparse_moe.``); regex renamings are skipped."""
+    out = [name]
+    for c in conversions:
+        if type(c).__name__ != "WeightRenaming":
+            continue
+        sources, targets = c._original_source_patterns, c._original_target_patterns
+        for src, tgt in zip(sources if isinstance(sources, list) else [sources],
+                            targets if isinstance(targets, list) else [targets]):
+            if not any(ch in src + tgt for ch in "()[]?*+^$\\|") and tgt in name:
+                out.append(name.replace(tgt, src))
+    return out
+
+
+def _converted(name: str, weights: SafetensorsWeights, conversions: list[Any]) -> WeightRef | None:
+    """The checkpoint tensor(s) transformers' conversions make ``name`` from, or None (a renamed
+    tensor; a merge of per-expert tensors, stacked and concatenated; any other operation: None)."""
+    for candidate in _renamed_back(name, conversions)[1:]:
+        if candidate in weights:
+            return WeightRef(weights, candidate)
+    for c in conversions:
+        if type(c).__name__ != "WeightConverter":
+            continue
+        targets = c._original_target_patterns
+        targets = targets if isinstance(targets, list) else [targets]
+        if len(targets) != 1 or not name.endswith(targets[0]):
+            continue
+        ops = [type(op).__name__ for op in c.operations]
+        if ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
+            return None
+        stack = c.operations[0].dim
+        concat = c.operations[1].dim if len(ops) == 2 else None
+        sources = c._original_source_patterns
+        for full in _renamed_back(name, conversions):  # renamed as whole names: ".mlp." needs its dots
+            prefix = full[: -len(targets[0])]
+            pieces = []
+            for pattern in sources if isinstance(sources, list) else [sources]:
+                head, _, tail = (prefix + pattern).partition("*")
+                keys, i = [], 0
+                while f"{head}{i}{tail}" in weights:
+                    keys.append(f"{head}{i}{tail}")
+                    i += 1
+                pieces.append(keys)
+            if all(pieces) and len({len(k) for k in pieces}) == 1:
+                return MergedRef(weights, pieces, stack, concat)
+    return None
 
     def __bool__(self) -> bool:
         return bool(self.sources)
@@ -121,14 +205,29 @@ def weight_sources(module: torch.nn.Module) -> WeightSources | None:
     for first, other in tied_parameters(module):
         aliases[other] = first
         aliases.setdefault(first, other)
-    return WeightSources(sources, aliases)
+    return WeightSources(sources, aliases, {(f"{path}." if path else ""): _conversions(module.get_submodule(path))
+                                            for path in declared})
+
+
+def _conversions(net: torch.nn.Module) -> list[Any]:
+    """transformers' checkpoint conversions for ``net`` (its class, else its ``model_type``): how a
+    checkpoint's tensor names and pieces become the model's; none for other models."""
+    try:
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+    except ImportError:
+        return []
+    try:
+        return list(extract_weight_conversions_for_model(net) or [])
+    except Exception:  # noqa: BLE001 - not a transformers model
+        return []
 
 
 def check_pretrained(net: torch.nn.Module, weights: SafetensorsWeights) -> None:
     """One line unless ``weights`` holds every parameter of the (meta) model ``net`` in its shape."""
     params = {name: tuple(p.shape) for name, p in net.named_parameters()}  # a tied one under its first name
     aliases = {other: first for first, other in tied_parameters(net)}
-    check_weights(params, weights, aliases, optional=[name for name, _ in net.named_buffers()])
+    check_weights(params, weights, aliases, optional=[name for name, _ in net.named_buffers()],
+                  conversions=_conversions(net))
 
 
 #: ``from_pretrained`` keywords the meta-device build takes, or that an Auto class passes on whatever the
@@ -230,27 +329,38 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 
 
 def check_weights(expected: Mapping[str, tuple[int, ...]], weights: SafetensorsWeights,
-                  aliases: Mapping[str, str] | None = None, optional: Iterable[str] = ()) -> None:
+                  aliases: Mapping[str, str] | None = None, optional: Iterable[str] = (),
+                  conversions: list[Any] | None = None) -> None:
     """One line if ``weights`` cannot fill a model whose parameters are ``expected`` (name -> shape): a
     parameter it lacks (a tied one may be saved under either name: ``aliases`` maps one to the
-    other), one of another shape, or a tensor the model has no place for (another architecture's
-    checkpoint). ``optional`` names tensors it may hold or not (buffers: their init makes them)."""
+    other; a converted one under transformers' checkpoint names, ``conversions``), one of another
+    shape, or a tensor the model has no place for (another architecture's checkpoint). ``optional``
+    names tensors it may hold or not (buffers: their init makes them)."""
     partner = dict(aliases or {})
     partner.update({v: k for k, v in partner.items()})
+    found = WeightSources({"": weights}, partner, {"": list(conversions or [])})
+    used: set[str] = set()
     for key, shape in expected.items():
-        name = key if key in weights else partner.get(key, key)
-        if name not in weights:
+        ref = found.find(key)
+        if ref is None:
             raise WeightsError(f"pretrained weights: {weights.directory} has no tensor {key} "
                                "(a checkpoint of another architecture or size?)")
-        if tuple(weights.shape(name)) != tuple(shape):
-            raise WeightsError(f"pretrained weights: {weights.directory}: {name} has shape "
-                               f"{tuple(weights.shape(name))}, the model's config gives {tuple(shape)}")
-    known = {*expected, *partner, *optional}
-    unused = [k for k in weights.keys() if k not in known]
+        if tuple(ref.shape) != tuple(shape):
+            raise WeightsError(f"pretrained weights: {weights.directory}: {ref.key} has shape "
+                               f"{tuple(ref.shape)}, the model's config gives {tuple(shape)}")
+        used.update(_keys_of(ref))
+    for name in optional:
+        ref = found.find(name)
+        used.update(_keys_of(ref) if ref is not None else [name])
+    unused = [k for k in weights.keys() if k not in used]
     if unused:
         raise WeightsError(f"pretrained weights: {weights.directory} holds {unused[0]} (and {len(unused) - 1} more), "
                            "which the model built from its config.json does not have")
 
 
-__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "SafetensorsWeights", "WeightRef", "WeightSources", "WeightsError", "check_pretrained", "check_weights",
-           "transformers_from_pretrained_on_meta", "weight_sources"]
+def _keys_of(ref: WeightRef) -> list[str]:
+    return [k for keys in ref.pieces for k in keys] if isinstance(ref, MergedRef) else [ref.key]
+
+
+__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "MergedRef", "SafetensorsWeights", "WeightRef", "WeightSources",
+           "WeightsError", "check_pretrained", "check_weights", "transformers_from_pretrained_on_meta", "weight_sources"]
