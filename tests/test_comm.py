@@ -180,6 +180,16 @@ def test_estimate_json_predicts_the_runs_comm(strategy, tmp_path):
             assert abs(got[kind][axis] - nbytes) <= 0.02 * nbytes, (strategy, kind, axis, got, want)
 
 
+@pytest.mark.parametrize("strategy", ["hsdp", "pipeline"])
+def test_four_ranks_hsdp_and_pipeline_accumulating_bytes_match_model(strategy):
+    """The two strategies no other sweep accumulates with: HSDP reduce-scatters and all-reduces across
+    replicas every micro-batch; a pipeline moves each micro-batch's activations (2 accumulated
+    micro-batches, 4 ranks)."""
+    runs = by_strategy(sweep("strategy=hsdp,pipeline", "trainer.devices=4", "+model.n_head=4", "trainer.max_steps=3",
+                             "trainer.accumulate_grad_batches=2"))
+    assert_comm_matches(runs[strategy], cross_check=False)
+
+
 def _classify(rank: int, world: int) -> dict:
     """A collective issued from a callback's frame is bookkeeping; the same from elsewhere is not."""
     import torch

@@ -115,17 +115,17 @@ def test_estimate_mode_prices_expert_parallel(tmp_path):
 
 
 # ------------------------------------------------ against real runs (test_moe.py's shared multiruns)
-def _comm_and_states(s: dict, ep: int, data_parallel: str) -> None:
+def _comm_and_states(s: dict, ep: int, data_parallel: str, accumulate: int = 1) -> None:
     from lightning_par.costs.comm import CommShape, step_comm_bytes
 
     cfg = MoEConfig(**PRESETS["moe_tiny"])
     world = s["world_size"]
     seq = round(s["tokens_per_s"] / s["samples_per_s"])
-    micro = s["global_batch_size"] // world
+    micro = s["global_batch_size"] // world // accumulate
     shape = CommShape(cfg.n_layer, cfg.n_embd, seq, micro, cfg.vocab_size, moe_layers=cfg.n_moe_layers,
                       n_experts=cfg.n_experts, top_k=cfg.top_k)
     model = step_comm_bytes("expert_parallel", n_params=cfg.n_params, mesh=s["mesh"], shape=shape,
-                            expert_params=cfg.n_expert_params, data_parallel=data_parallel)
+                            expert_params=cfg.n_expert_params, data_parallel=data_parallel, accumulate=accumulate)
     ranks = s["comm"]["per_rank"]
     # dropless routing: each rank sends all its tokens x top_k rows, but receives what the router sends it,
     # so one rank's all-to-all payload moves with the routing while the mean over the ep group is fixed
@@ -159,6 +159,10 @@ def test_expert_parallel_comm_and_states_match_the_models():
     _comm_and_states(whole, 2, "fsdp")
     assert_moe_parity(whole, moe_two()["single"])
     assert_moe_figures(whole, moe_two()["single"], ep=2)
+    # 2 accumulated micro-batches: the all-to-alls and the replicated gradients' average, every micro-batch
+    (accumulating,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=2",
+                            "trainer.accumulate_grad_batches=2", "trainer.max_steps=3")
+    _comm_and_states(accumulating, 2, "replicate", accumulate=2)
 
 
 def test_ep_beside_other_strategies_is_refused_not_mispriced():
