@@ -191,10 +191,12 @@ def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answe
 @pytest.mark.slow
 @pytest.mark.parametrize("case,devices", [("70b-4-nodes-slow", 4),
                                           ("5b-layers-one-8gb", 1), ("moe-8x-top2-one-node", 4),
-                                          ("70b-8-nodes-50gbs", 4)])
+                                          ("70b-8-nodes-50gbs", 4), ("405b-16-nodes", 8),
+                                          ("13b-2x24-host-stated", 2), ("13b-8x24-8bit", 2)])
 def test_printed_command_runs_scaled_down(case, devices, answers, tmp_path: Path):
-    """The three plans with the most machinery (3d: pipeline x TP x FSDP; ZeRO-3 offload with tiling;
-    expert parallelism x FSDP; FSDP x TP with sequence parallelism and bf16 gathers) run 2 steps on CPU.
+    """The plans with the most machinery -- 3d (pipeline x TP x FSDP, with SP and the interleaved
+    schedule for 405B); ZeRO-3 offload, tiled; expert parallelism x FSDP; FSDP x TP with sequence
+    parallelism and bf16 gathers; FSDP with 8-bit states -- and every held-out case run 2 steps on CPU.
     (All five of issue 11 ran when this was written: 125M 30 s, 7B 41 s, 10B 42 s; trimmed for CI.)"""
     (command,) = [ln.strip() for ln in answers[case].splitlines() if ln.strip().startswith("python run.py ")]
     args = scaled(command, devices) + [f"paths.output_dir={tmp_path}"]
