@@ -134,22 +134,17 @@ def _estimate(tmp_path: Path, *overrides: str) -> dict:
 
 
 def test_estimate_prices_fsdp_bf16_gathers(tmp_path: Path) -> None:
-    """gpt2 over 2 ranks, fsdp, 32-true, seq 128: the transient at the loss's backward is the loss
-    buffers and the rest (114 MB) plus the all-gathered units -- the root (embeddings and the untied
-    head) kept from forward, the current block and the prefetched one: 369 MB in fp32 gathers, 483 MB
-    in all. With ``param_dtype=bf16`` the gathers are 2 bytes per parameter: that part halves."""
-    from lightning_par.estimate import model_shape
-
+    """gpt2 over 2 ranks, fsdp, 32-true, seq 128. In fp32 the peak falls at the head's backward, when
+    the root (embeddings and the untied head) is gathered again; with ``param_dtype=bf16`` the gathers
+    move 2 bytes per parameter and the forward computes in bf16, so the activations shrink too, and
+    the peak falls at the loss. The states (fp32 shards) do not move. Absolute figures are checked
+    against FSDPMemTracker in tests/test_fsdp_peak.py (within 7%); the figures here are today's."""
     fp32 = _estimate(tmp_path / "fp32")["fsdp"]
     bf16 = _estimate(tmp_path / "bf16", "strategy.param_dtype=bf16")["fsdp"]
-    u = model_shape("gpt2", 128)[1].units()
-    gathered_fp32 = 4 * (u["embed"] + u["head"] + 2 * u["block"])  # root + current + prefetched (prefetch=1)
-    assert fp32["transient"] == 483_145_728  # today's figure, unchanged
-    assert fp32["moment"] == bf16["moment"] == "backward loss"
-    assert fp32["transient"] - bf16["transient"] == gathered_fp32 // 2  # the gathered part halves
-    assert bf16["transient"] == 298_684_416
-    # nothing else moves: states and activations stay as they are (shards stay fp32)
-    for key in ("params", "grads", "optimizer_state", "activations"):
+    assert (fp32["moment"], bf16["moment"]) == ("backward head", "backward loss")
+    assert (fp32["peak"], bf16["peak"]) == (2_420_222_976, 1_902_738_432)
+    assert bf16["activations"] < 0.7 * fp32["activations"]
+    for key in ("params", "grads", "optimizer_state"):  # the shards stay fp32
         assert bf16[key] == fp32[key], key
     assert _estimate(tmp_path / "same", "strategy.param_dtype=fp32")["fsdp"]["transient"] == fp32["transient"]
     assert _estimate(tmp_path / "long", "strategy.param_dtype=bfloat16")["fsdp"]["transient"] == bf16["transient"]
