@@ -67,8 +67,6 @@ def memtracker_step_peak(net: torch.nn.Module, vocab_size: int, batch: int, seq:
     but the first."""
     from contextlib import nullcontext
 
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from lightning_par.models.module import ParModule
     from lightning_par.optim import OptimizerConfig, build_optimizer
 
@@ -88,9 +86,17 @@ def memtracker_step_peak(net: torch.nn.Module, vocab_size: int, batch: int, seq:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return steady_step_peak(step, net, opt)
+
+
+def steady_step_peak(step, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """torch MemTracker's peak (bytes, every device) over ``step()`` run a second time: the first
+    creates the optimizer's states, as every step after the first holds them."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     step()
     tracker = MemTracker()
-    tracker.track_external(net, opt)
+    tracker.track_external(module, optimizer)
     with tracker:
         step()
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return int(sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()))

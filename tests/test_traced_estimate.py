@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_par.costs.traced import _precision_context, trace_model
 from lightning_par.estimate import estimate_traced
 from lightning_par.models.hf import HFCausalLM
+from tests.helpers import steady_step_peak
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -111,12 +111,7 @@ def measured_peak(module: L.LightningModule, batch: int, precision: str) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()
-    tracker = MemTracker()
-    tracker.track_external(module, opt)
-    with tracker:
-        step()
-    return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    return steady_step_peak(step, module, opt)
 
 
 @pytest.mark.parametrize("case", list(CASES))

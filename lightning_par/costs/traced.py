@@ -106,19 +106,6 @@ def _hf_masks_as_for_real_tensors() -> Any:
         masking_utils.find_packed_sequence_indices = original
 
 
-def _blocks(net: Any) -> list[Any]:
-    """The model's repeated blocks: Hugging Face's ``_no_split_modules`` classes, else the modules
-    its parallel plan names as blocks, else none."""
-    names = set()
-    for m in net.modules():
-        names.update(getattr(m, "_no_split_modules", None) or ())
-    if names:
-        return [m for m in net.modules() if type(m).__name__ in names]
-    plan = getattr(net, "parallel_plan", None)
-    blocks = getattr(plan(), "blocks", ()) if callable(plan) else ()
-    return [net.get_submodule(b) for b in blocks]
-
-
 def trace_model(make: Any, micro_batch: int, *, precision: str = "32-true", target: Any = None) -> TracedStep:
     """``trace_step`` of a fresh ``make()`` on fake tensors; where the model cannot run on fake tensors
     (its forward reads values: an MoE's dropless routing sizes each expert's batch from the router's
@@ -156,6 +143,7 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
 
     from lightning_par import dtypes
     from lightning_par.parallel.contract import example_input_of, loss_fn_of
+    from lightning_par.parallel.discovery import resolve_plan
 
     example, loss_fn = example_input_of(module), loss_fn_of(module)
     if example is None or loss_fn is None:
@@ -175,7 +163,9 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
     opt = optimizers["optimizer"] if isinstance(optimizers, dict) else (
         optimizers[0] if isinstance(optimizers, (list, tuple)) else optimizers)
     params = list(module.parameters())
-    blocks = _blocks(getattr(module, "net", None) or module)
+    # the strategies' own block discovery (a declared plan, Hugging Face's no-split modules, repeated
+    # children, sizes): the blocks the trace prices as FSDP units are the ones FSDP will make
+    blocks = [module.get_submodule(b) for b in resolve_plan(module).plan.blocks]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     root = sum(p.numel() for p in params if id(p) not in in_blocks)
