@@ -281,6 +281,7 @@ TABLE: dict[str, Spec] = {
     "strategy.virtual_stages": (POSITIVE | NULL).note("stages per rank; null: by schedule"),
     "strategy.replicate": POSITIVE.note("HSDP replica groups; 1: plain FSDP"),
     "strategy.grad_sync": choice("every_micro_batch", "last_micro_batch"),
+    "strategy.collectives": choice("auto", "reduce_scatter", "all_reduce"),
     "strategy.bucket_cap_mb": number(0, lo_open=True).note("MB per gradient bucket"),
     "strategy.reshard_after_forward": BOOL | NULL,
     "strategy.cpu_offload": BOOL,

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_par.costs.activations import Shape
-from lightning_par.costs.peak import Layout, step_peak
+from lightning_par.costs.peak import Layout, step_peak, zero2_staged
 from lightning_par.costs.states import OPTIMIZERS, PRECISIONS, bytes_per_param, check, optimizer_state_bytes
 from lightning_par.dtypes import dtype_bytes, parse_dtype
 from lightning_par.strategies.catalog import CATALOG, entry
@@ -106,7 +106,9 @@ def _states_only(psi: int, lay: Layout, precision: str, optimizer: str, device: 
     if lay.cpu_offload:
         return MemoryEstimate(lay.strategy, 0, 0, 0, int(params + grads + opt), 0, 0, 0, "states only",
                               dict(lay.mesh))
-    temp = 2 * g * local if lay.grads == "zero2" else (opt / 2 if device == "cpu" and "adam" in optimizer else 0)
+    temp = opt / 2 if device == "cpu" and "adam" in optimizer else 0
+    if lay.grads == "zero2":  # the buckets staged for reduce-scatter (no shapes: parameters of a bucket's size)
+        temp = max(temp, zero2_staged(lay, g, local, 0), min(2 * lay.bucket_bytes, p * shard))
     states = int(params + grads + opt)
     return MemoryEstimate(lay.strategy, int(params), int(grads), int(opt), 0, 0, int(temp), states + int(temp),
                           "optimizer step", dict(lay.mesh))
@@ -139,8 +141,10 @@ def estimate_traced(traced: Any, *, devices: int, strategy: str, layout_: Layout
         grads_bwd, grads_step, extra = bwd.grads, full_grads, 0.0
     elif lay.grads == "bucket":  # DDP's buckets hold every gradient from the start
         grads_bwd, grads_step, extra = full_grads, full_grads, 0.0
-    elif lay.grads == "zero2":  # full .grads during backward, then the flat copy beside them
-        grads_bwd, grads_step, extra = bwd.grads + full_grads / shard, full_grads / shard, 2 * full_grads
+    elif lay.grads == "zero2":  # the reduced shard and the staged buckets; chunks copied out for the gathers
+        staged = zero2_staged(lay, traced.param_bytes, traced.n_params, traced.largest_tensor)
+        grads_bwd, grads_step = full_grads / shard + min(bwd.grads, staged), full_grads / shard
+        extra = min(2 * lay.bucket_bytes, traced.n_params * traced.param_bytes / shard)
     else:  # fsdp: reduce-scattered shards and the current unit's full gradient
         grads_bwd, grads_step, extra = bwd.grads / shard + unit_grads, full_grads / shard, 0.0
     gathered = 0.0

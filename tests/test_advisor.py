@@ -114,12 +114,16 @@ def test_never_recommends_a_plan_that_does_not_fit():
     assert done.returncode == 2 and "nothing fits" in done.stdout and "python run.py" not in done.stdout
 
 
-def test_zero2_full_gradient_counts_for_10b():
+def test_zero2_fits_10b_but_fsdp_is_faster():
     shape = Shape(40, 4608, 36, 32000, 2048, bias=False, block_size=2048)
     a = advise(shape, Cluster(1, 8, 80))
     zero2 = next(c for c in a.candidates if c.strategy == "zero2")
-    assert not zero2.fits and zero2.memory.transient > 2 * 4 * 10e9 * 0.9  # full .grads + their flat copy
-    assert a.strategy == "fsdp" and a.per_device_bytes <= 0.9 * 80 * GIB
+    fsdp = next(c for c in a.candidates if c.strategy == "fsdp")
+    # zero2's gradients are reduce-scattered in buckets from backward (they used to be held whole, and
+    # copied once more, which did not fit): it fits, but its parameter all-gather after the step is not
+    # hidden behind compute as FSDP's gathers are
+    assert zero2.fits and zero2.memory.transient < 4 * 10e9 / 8 * 1.1
+    assert a.strategy == "fsdp" and a.per_device_bytes <= 0.9 * 80 * GIB and zero2.time.total > fsdp.time.total
 
 
 def test_slow_links_change_the_answer():

@@ -284,6 +284,13 @@ def test_comm_model_layouts_and_refusals():
                            schedule="interleaved_1f1b", virtual_stages=2)
     assert zbv["send"]["pp"] == 2 * 2 * a and loop["send"]["pp"] == 3 * 2 * a
     assert step_comm_bytes("zero2", n_params=10, mesh={"dp_shard": 4})["all_gather"]["dp_shard"] == 12 * 4  # padded
+    # zero2 reduces every micro-batch's gradients from its backward hooks, gathers the parameters once; on
+    # gloo it runs all-reduce + broadcasts (the same payload)
+    acc = step_comm_bytes("zero2", n_params=10, mesh={"dp_shard": 4}, accumulate=3, param_tensors=0)
+    assert acc == {"reduce_scatter": {"dp_shard": 3 * 48}, "all_gather": {"dp_shard": 48}}
+    acc = step_comm_bytes("zero2", n_params=10, mesh={"dp_shard": 4}, accumulate=3, param_tensors=2,
+                          zero2_collectives="all_reduce")
+    assert acc == {"all_reduce": {"dp_shard": 3 * 48 + 4 * 2}, "broadcast": {"dp_shard": 48}}
     # zero2's per-step flags: one 4-byte count per parameter tensor (+4 bytes of norm when clipping); the
     # shape's count is the real GPT's, with and without biases
     import torch

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_par.costs.activations import Shape, in_flight_micro_batches
+from lightning_par.costs.peak import step_peak, zero2_staged
 from lightning_par.costs.states import optimizer_state_bytes
 from lightning_par.estimate import (
     STRATEGIES,
@@ -19,6 +20,7 @@ from lightning_par.estimate import (
     estimate,
     estimate_all,
     estimate_table,
+    layout,
     model_shape,
 )
 from lightning_par.models.gpt import PRESETS, GPTConfig
@@ -52,11 +54,22 @@ def test_stage_ordering_and_offload() -> None:
     assert rows["zero3"].params == rows["ddp"].params // 8
 
 
-def test_zero2_holds_full_gradients_before_its_reduce_scatter() -> None:
-    """zero2 shards gradients only after backward: its step holds the full .grads and the flat copy."""
+def test_zero2_reduces_in_buckets_and_peaks_below_zero1() -> None:
+    """zero2 reduce-scatters gradients bucket by bucket during backward, so full gradients never exist:
+    its transient is three 25 MiB buckets (two in flight, one filling), and it peaks below zero1, which
+    holds every gradient in DDP's buckets."""
     r = estimate(1e9, devices=8, strategy="zero2", precision="bf16-mixed")
-    assert r.transient == 2 * 4 * 10**9 and r.peak == r.states + r.transient
-    assert r.peak > estimate(1e9, devices=8, strategy="zero1", precision="bf16-mixed").peak
+    assert r.grads == 4 * 10**9 // 8 and r.transient == 3 * 25 * 2**20 and r.peak == r.states + r.transient
+    assert r.peak < estimate(1e9, devices=8, strategy="zero1", precision="bf16-mixed").peak
+    # with shapes: during backward, the shard + three staged buckets (two in flight, one filling), each
+    # 25 MiB or the largest parameter (the embedding here, a bucket of its own)
+    shape = Shape(8, 1024, 16, 32000, 128)
+    u = shape.units()
+    lay = layout("zero2", 8)
+    peak = step_peak(shape, lay, micro_batch_size=1, precision="32-true", optimizer="adamw", checkpointing=False)
+    assert zero2_staged(lay, 4, u["total"], u["embed_table"]) == min(4 * u["total"], 3 * 4 * u["embed_table"])
+    assert peak.peak < step_peak(shape, layout("zero1", 8), micro_batch_size=1, precision="32-true",
+                                 optimizer="adamw", checkpointing=False).peak
 
 
 def test_fsdp_gathered_units_and_prefetch() -> None:

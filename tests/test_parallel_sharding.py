@@ -116,6 +116,37 @@ def _zero_worker(rank: int, world: int) -> dict:
     _train(sharded, sharded_opt, range(STEPS, STEPS + 1), rank, world)
     out["resume_diff"] = _max_diff(fresh, ref), _max_diff(sharded, ref)
 
+    # ZeRO-2 in buckets of 100 elements (0.weight alone; one bucket spanning both param groups), one
+    # reduction in flight, 2 accumulated micro-batches per step, all-reduce + broadcasts (its collectives on
+    # gloo); then the reference's state loaded into that layout and one more step
+    ref = _tiny()
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
+    _train(ref, ref_opt, range(STEPS))
+    model = _tiny()
+    small = 100 * 4 / 2**20
+    opt = Zero2Optimizer(torch.optim.AdamW(_groups(model), lr=1e-2), model, bucket_cap_mb=small, in_flight=1,
+                         collectives="all_reduce")
+    out["buckets"] = [len(b.params) for b in opt._buckets]
+    for step in range(STEPS):
+        x, y = (_local(t, rank, world) for t in _batch(step))
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            (F.mse_loss(model(xs), ys) / 2).backward()
+            out["grads_between"] = [p.grad for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    out["bucketed_diff"] = _max_diff(model, ref)
+    full = opt.full_state_dict()
+    out["bucketed_state_diff"] = max((full["state"][n][k] - ref_opt.state[p][k]).abs().max().item()
+                                     for n, p in ref.named_parameters() for k in ("exp_avg", "exp_avg_sq", "step"))
+    bucketed = _tiny()
+    bucketed.load_state_dict(ref.state_dict())
+    bucketed_opt = Zero2Optimizer(torch.optim.AdamW(_groups(bucketed), lr=1.0), bucketed, bucket_cap_mb=small)
+    bucketed_opt.load_full_state_dict({"state": {n: ref_opt.state[p] for n, p in ref.named_parameters()},
+                                       "param_groups": ref_full["param_groups"]})
+    _train(bucketed, bucketed_opt, range(STEPS, STEPS + 1), rank, world)
+    _train(ref, ref_opt, range(STEPS, STEPS + 1))
+    out["bucketed_resume_diff"] = _max_diff(bucketed, ref)
+
     # ZeRO-1: DDP all-reduces the gradients, ZeroRedundancyOptimizer shards the state
     ref = _tiny()
     ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
@@ -146,6 +177,10 @@ def test_zero1_and_zero2_match_single_process(world: int) -> None:
         assert r["full_groups"] == [(0.1, ["0.weight", "2.weight"]), (0.0, ["0.bias", "2.bias"])]
         assert r["reloaded_lr"] == (1e-2, 1e-2)
         assert max(r["resume_diff"]) < 1e-5
+        assert r["buckets"] == [1, 3]
+        assert all(g is None for g in r["grads_between"])  # freed into the buckets during backward
+        assert r["bucketed_diff"] < 1e-5 and r["bucketed_state_diff"] < 1e-5
+        assert r["bucketed_resume_diff"] < 1e-5
         assert r["zero1_diff"] < 1e-5
         assert r["zero1_groups"] == [("AdamW", 0.1, 1e-2), ("AdamW", 0.0, 1e-2)]
     assert sum(r["zero1_local_params"] for r in results) == n_params  # ZeRO-1 partitions the params

@@ -8,6 +8,7 @@ peak resident set size complete the picture. Figures are per rank, gathered to e
 
 from __future__ import annotations
 
+import gc
 import resource
 import sys
 from collections.abc import Iterable
@@ -48,8 +49,29 @@ def stored_tensors(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident set size: on Linux ``VmHWM``, since the process started or since
+    ``reset_peak_rss``; elsewhere ``getrusage``'s, since the process started."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak RSS over from the current RSS (Linux: ``clear_refs``). A Hydra multirun trains
+    its jobs one after another in one process, rank 0 included: without this, every job's peak would
+    be the largest of the jobs before it. ``getrusage``'s ``ru_maxrss`` cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
@@ -97,6 +119,12 @@ class MemoryMonitor(L.Callback):
         self._setup: dict[str, int | None] = {}
         self._peak_allocated: int | None = None
         self.per_rank: list[dict[str, Any]] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before the model is built: this fit's peaks, not an earlier job's in the same process (whose
+        # model and optimizer may still sit in reference cycles until a collection frees them)
+        gc.collect()
+        reset_peak_rss()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the strategy's setup (build, shard, materialise) is over and no step has run: what a rank

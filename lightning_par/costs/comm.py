@@ -185,7 +185,8 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                     data_parallel: str = "replicate", activation_bytes: int | None = None,
                     recompute: bool = False, param_tensors: int | None = None,
                     accumulate: int = 1, grad_sync: str = "every_micro_batch",
-                    reduce_dtype_bytes: int | None = None) -> dict[str, dict[str, int]]:
+                    reduce_dtype_bytes: int | None = None,
+                    zero2_collectives: str = "reduce_scatter") -> dict[str, dict[str, int]]:
     """Payload bytes one rank sends through collectives in one optimizer step: ``{kind: {axis: bytes}}``.
 
     Args:
@@ -216,16 +217,19 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
             autocast), which the combine all-to-all and the dispatch's gradient carry; None: ``dtype_bytes``.
         recompute: expert_parallel: activation checkpointing re-runs each MoE layer's forward in backward,
             and with it the dispatch, the combine and the counts' exchange.
-        accumulate: micro-batches per optimizer step (``trainer.accumulate_grad_batches``). DDP, ZeRO-1
-            and ZeRO-2 reduce gradients once per step (DDP's ``no_sync``; ZeRO-2's one flat
-            reduce-scatter); every other strategy communicates in every forward and backward: FSDP2
-            gathers and reduce-scatters per micro-batch, the mesh strategies average replicated
-            gradients after every backward, and activations travel per micro-batch.
+        accumulate: micro-batches per optimizer step (``trainer.accumulate_grad_batches``). DDP and
+            ZeRO-1 reduce gradients once per step (DDP's ``no_sync``); ZeRO-2 reduce-scatters every
+            micro-batch's gradients from its backward hooks (its full gradients never exist, so it cannot
+            accumulate them) and all-gathers once; every other strategy communicates in every forward
+            and backward: FSDP2 gathers and reduce-scatters per micro-batch, the mesh strategies average
+            replicated gradients after every backward, and activations travel per micro-batch.
         grad_sync: FSDP's ``last_micro_batch`` reduces gradients once per step (the reduce-scatter, and
             HSDP's all-reduce over dp_replicate) while its gathers stay per micro-batch.
         reduce_dtype_bytes: FSDP mixed precision's ``reduce_dtype`` (e.g. bf16 gathers with fp32
             reduce-scatters): bytes per element of FSDP's gradient reductions (its reduce-scatters, and
             HSDP's all-reduce over dp_replicate); None: ``dtype_bytes``.
+        zero2_collectives: ZeRO-2's ``reduce_scatter`` (+ all-gather) or ``all_reduce`` (+ broadcasts,
+            its choice on gloo): ``Zero2Optimizer.collectives``.
 
     Raises ValueError for a strategy or option this model does not cover.
     """
@@ -241,11 +245,14 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
     step = _Step(defaultdict(lambda: defaultdict(int)), n_params, dtype_bytes, shape, get("dp_replicate"),
                  get("dp_shard"), get("tp"), get("pp"), get("ep"), micro_batches, kept_params, reshard_after_forward,
                  schedule, virtual_stages, stage_rank, stage_params, grad_clip, expert_params, data_parallel,
-                 activation_bytes, recompute, param_tensors, sequence_parallel)
+                 activation_bytes, recompute, param_tensors, sequence_parallel, max(1, int(accumulate)),
+                 zero2_collectives)
     traffic(step)
-    k = 1 if traffic in _ONCE_PER_STEP else max(1, int(accumulate))
+    k = max(1, int(accumulate))
 
     def times(kind: str, axis: str) -> int:
+        if traffic in _ONCE_PER_STEP:  # (ZeRO-2 counts its per-micro-batch reductions itself)
+            return 1
         once = grad_sync == "last_micro_batch" and (kind == "reduce_scatter" or (kind, axis) == ("all_reduce", "dp_replicate"))
         # sequence parallelism's only tp all-reduce is the LayerNorms' gradients: FSDP2 reduces them with
         # every micro-batch's reduce-scatter, the strategy itself once per step (``optimizer_step``)
@@ -289,6 +296,8 @@ class _Step:
     recompute: bool
     param_tensors: int | None
     sequence_parallel: bool = False
+    accumulate: int = 1
+    zero2_collectives: str = "reduce_scatter"
 
     def fsdp(self, params: int, kept: int, axis: str, reshard: bool, root: int = 0) -> None:
         """FSDP over ``axis``: gathered in forward and again in backward (``reshard``; ``kept`` only
@@ -318,9 +327,15 @@ def _zero1(s: _Step) -> None:
 
 
 def _zero2(s: _Step) -> None:
+    """Every micro-batch's gradients reduced from backward hooks (their bucket padding is left out: at
+    most N - 1 elements a bucket); the parameters gathered once per step."""
     if s.shard > 1:
-        _add(s.out, "reduce_scatter", "dp_shard", _pad(s.P, s.shard) * s.b)
-        _add(s.out, "all_gather", "dp_shard", _pad(s.P, s.shard) * s.b)
+        if s.zero2_collectives not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"comm_model: zero2_collectives {s.zero2_collectives!r} is not modelled")
+        reduce, gather = ("all_reduce", "broadcast") if s.zero2_collectives == "all_reduce" \
+            else ("reduce_scatter", "all_gather")
+        _add(s.out, reduce, "dp_shard", _pad(s.P, s.shard) * s.b * s.accumulate)
+        _add(s.out, gather, "dp_shard", _pad(s.P, s.shard) * s.b)
         flags = s.param_tensors if s.param_tensors is not None else (s.shape.param_tensors() if s.shape else 0)
         _add(s.out, "all_reduce", "dp_shard", 4 * (flags + s.grad_clip))
 

@@ -119,13 +119,14 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
             gathered_root = gathered_unit = 0.0
 
     base = params + opt
+    largest = max(u["embed_table"] if has_embed else 0, u["lm_head"] if has_head else 0, u["block_linear"]) / tp
     moments = {}
     # backward at the loss (head): all activations, the loss buffers
     done = 0.0  # parameters whose gradients exist
     for name, saved_now, transient, unit_params in _backward_units(
             shape, lay, has_embed, has_head, layers, in_flight, keep, lt * tokens + copies, embed_saved,
             head_saved, tokens, precision, tp, ckpt, head, block, embed):
-        grads_now = _grads_during_backward(lay, g, local, psi_shard, done, min(unit_params, unit_max))
+        grads_now = _grads_during_backward(lay, g, local, psi_shard, done, min(unit_params, unit_max), largest)
         if name == "loss" and lay.grads == "fsdp" and lay.reshard_after_forward and gathered_root:
             # the loss runs after the root's forward resharded every unit (this repository reshards the
             # root too): nothing is gathered. The head's backward gathers the root again -- its all-gather
@@ -142,8 +143,9 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     temp = 0.0
     if lay.cpu_offload:
         pass  # the step runs on the host
-    elif lay.grads == "zero2":
-        temp = 2 * g * local  # the full .grads and the flat buffer they are copied into
+    elif lay.grads == "zero2":  # AdamW's temporary, or the chunks copied out for two buckets' all-gathers
+        adam = opt / 2 if optimizer in ("adamw", "adam") and device == "cpu" else 0.0
+        temp = max(min(2 * lay.bucket_bytes, p * psi_shard), adam)
     elif optimizer in ("adamw", "adam") and device == "cpu":
         temp = opt / 2  # foreach: one state-sized temporary (sqrt of v)
     moments["optimizer step"] = base + grads_steady + temp
@@ -210,15 +212,27 @@ def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, fu
         yield "embedding", below, 0.0, embed
 
 
-def _grads_during_backward(lay: Layout, g: float, local: float, psi_shard: int, done: float, unit: float) -> float:
+#: ZeRO-2's reduce-scatter buckets alive during backward: ``Zero2Optimizer``'s two in flight and the one filling
+ZERO2_BUCKETS_ALIVE = 3
+
+
+def zero2_staged(lay: Layout, g: float, local: float, largest: float) -> float:
+    """Bytes of ZeRO-2's staged gradient buckets during backward (``parallel/zero.py``): up to
+    ``ZERO2_BUCKETS_ALIVE`` buckets of ``lay.bucket_bytes`` (a parameter larger than that, e.g. the
+    embedding, is a bucket of its own: ``largest`` parameters), never more than the local gradients."""
+    return min(g * local, ZERO2_BUCKETS_ALIVE * max(lay.bucket_bytes, g * largest))
+
+
+def _grads_during_backward(lay: Layout, g: float, local: float, psi_shard: int, done: float, unit: float,
+                           largest: float) -> float:
     if lay.unsharded_grads:  # FSDP without gradient sync: every unsharded gradient since the first micro-batch
         return g * local
     if lay.cpu_offload:
         return g * unit  # one unit's full-size gradient on the device before it moves to the host
     if lay.grads == "bucket":
         return g * local
-    if lay.grads == "zero2":
-        return g * (done + unit) + g * psi_shard  # full .grads so far + the persistent shard buffer
+    if lay.grads == "zero2":  # the reduced shard + the buckets staged for their reduce-scatters
+        return g * psi_shard + zero2_staged(lay, g, local, largest)
     if lay.grads == "fsdp":
         # reduce-scattered to this rank's shard: psi_shard / local of them (the experts are sharded over
         # their own, smaller data axis, so dividing by the world's shard would count them too small)

@@ -102,4 +102,5 @@ def strategy_comm(strategy: Any, *, mesh: dict[str, int], n_params: int, config:
         recompute=bool(getattr(strategy, "activation_checkpointing", False)), accumulate=accumulate,
         grad_sync=str(getattr(strategy, "grad_sync", "every_micro_batch")),
         reduce_dtype_bytes=(dtypes.dtype_bytes(dtypes.parse_dtype(reduce_dtype, "reduce_dtype"))
-                            if reduce_dtype else None))
+                            if reduce_dtype else None),
+        zero2_collectives=str(getattr(strategy, "zero2_collectives", "reduce_scatter")))

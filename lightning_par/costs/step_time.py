@@ -45,7 +45,8 @@ from lightning_par.costs.activations import Shape
 #: (tensor-parallel and pipeline traffic is on the critical path whatever its kind)
 OVERLAPPED: dict[str, frozenset[str]] = {
     "none": frozenset(), "all_reduce": frozenset({"all_reduce"}), "zero1": frozenset({"all_reduce"}),
-    "zero2": frozenset(), "fsdp": frozenset({"all_gather", "reduce_scatter", "all_reduce"}),
+    "zero2": frozenset({"reduce_scatter", "all_reduce"}),
+    "fsdp": frozenset({"all_gather", "reduce_scatter", "all_reduce"}),
     "tensor_parallel": frozenset(), "fsdp_tp": frozenset({"all_gather", "reduce_scatter"}),
     "pipeline": frozenset({"all_gather", "reduce_scatter"}), "3d": frozenset({"all_gather", "reduce_scatter"}),
     "expert_parallel": frozenset({"all_gather", "reduce_scatter"}),
@@ -109,13 +110,14 @@ def flops_per_token(shape: Shape) -> float:
 def data_parallel_calls(traffic: str, shape: Shape, mesh: dict[str, int], forwards: int) -> int:
     """Collectives a strategy issues per step on its data axes (their latency is hidden with their
     bytes where they overlap compute): DDP's 25 MB buckets, ZeRO-1's buckets and its broadcasts
-    (issued together, asynchronously: one latency), ZeRO-2's reduce-scatter, all-gather and flag all-reduce, FSDP's two gathers and
-    one reduce-scatter per unit (the blocks and the root) and forward."""
+    (issued together, asynchronously: one latency), ZeRO-2's bucketed reduce-scatters per forward, its
+    all-gathers (issued together) and flag all-reduce, FSDP's two gathers and one reduce-scatter per unit
+    (the blocks and the root) and forward."""
     if not any(int(mesh.get(a, 1)) > 1 for a in ("dp_replicate", "dp_shard", "ep")):
         return 0
     u = shape.units()
     buckets = -(-u["total"] * 4 // (25 * 2**20))
-    return {"all_reduce": buckets, "zero1": buckets + 1, "zero2": 3,
+    return {"all_reduce": buckets, "zero1": buckets + 1, "zero2": buckets * forwards + 2,
             "fsdp": 3 * (shape.n_layer + 1) * forwards, "fsdp_tp": 3 * (shape.n_layer + 1) * forwards,
             "pipeline": 3 * (shape.n_layer + 1), "3d": 3 * (shape.n_layer + 1),
             "expert_parallel": 3 * (shape.n_layer + 1) * forwards}.get(traffic, 0)

@@ -62,6 +62,7 @@ class TracedStep:
     root: int  # parameters outside every block (embeddings, final norm, head)
     micro_batch: int
     seq_len: int | None
+    largest_tensor: int = 0  # elements of the largest parameter (ZeRO-2: a bucket of its own when larger)
 
     @property
     def peak(self) -> int:
@@ -189,4 +190,4 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
     step = moments[1]  # its optimizer_state: the states and the step's temporaries (foreach Adam: one more)
     backward = replace(moments[0], optimizer_state=held)  # the states are held through every later step
     return TracedStep(backward, step, sum(p.numel() for p in params), dtypes.dtype_bytes(pr.param),
-                      largest, root, micro_batch, seq_len)
+                      largest, root, micro_batch, seq_len, max((p.numel() for p in params), default=0))

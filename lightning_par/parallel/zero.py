@@ -18,6 +18,7 @@ Stage 3 (parameters sharded too) is FSDP: see ``lightning_par.parallel.fsdp``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -55,44 +56,76 @@ def make_zero1_optimizer(optimizer: torch.optim.Optimizer, *, process_group=None
                                    **_constructor_kwargs(optimizer))
 
 
+#: how Zero2Optimizer reduces and gathers: reduce-scatter + all-gather (NCCL's ring collectives, half
+#: an all-reduce each), or all-reduce + one broadcast per chunk: the same bytes in gloo's faster
+#: collectives (2 CPU ranks, 64 MB: all-reduce 43 ms against reduce-scatter 77 ms; broadcast 15 ms
+#: against all-gather 51 ms; ``python -m lightning_par.collectives``)
+COLLECTIVES = ("reduce_scatter", "all_reduce")
+
+
+class _Bucket:
+    """Consecutive parameters whose gradients are reduce-scattered together: ``flat[start:start + n*chunk]``,
+    rank r owning ``flat[start + r*chunk : start + (r+1)*chunk]`` and ``grad_shard[shard_off : shard_off + chunk]``."""
+
+    __slots__ = ("start", "chunk", "shard_off", "params", "staging", "ready")
+
+    def __init__(self, start: int, chunk: int, shard_off: int, params: list[int]) -> None:
+        self.start, self.chunk, self.shard_off, self.params = start, chunk, shard_off, params
+        self.staging: torch.Tensor | None = None  # this rank's local gradients of the bucket, while it fills
+        self.ready: set[int] = set()  # parameters whose gradient this backward has delivered
+
+
 class Zero2Optimizer(torch.optim.Optimizer):
-    """ZeRO stage 2: optimizer state and gradients sharded over the data-parallel group.
+    """ZeRO stage 2: optimizer state and gradients sharded over the data-parallel group, gradients
+    reduce-scattered in buckets from backward hooks as they become ready (DeepSpeed's stage 2), so
+    the full set of gradients never exists at once.
 
-    Layout: the optimizer's parameters, in param-group order, are re-pointed (``p.data = view``)
-    into ONE flat buffer (fp32: Lightning's mixed precision autocasts, so no master copy is needed)
-    of ``P = ceil(Ψ / N) * N`` elements (zero padding at the end; ``S`` is also rounded up to a multiple
-    of the inner optimizer's ``block_size`` when it has one, e.g. torchao's 8-bit AdamW). Rank
-    ``r`` owns ``flat[r*S:(r+1)*S]`` with ``S = P / N``. Parameters stay full and replicated.
+    Layout: the optimizer's parameters, in param-group order, are re-pointed (``p.data = view``) into
+    ONE flat buffer (fp32 under Lightning's mixed precision: autocast, no master copy needed), cut
+    into buckets of consecutive parameters of at most ``bucket_cap_mb`` (a larger parameter is a
+    bucket of its own). Each bucket is padded to ``n * chunk`` elements (``chunk`` rounded up to the
+    inner optimizer's ``block_size`` when it has one, e.g. torchao's 8-bit AdamW); rank ``r`` owns the
+    r-th chunk of every bucket. Parameters stay full and replicated.
 
-    ``step()`` runs after backward, on the *local, un-reduced* gradients (do not wrap the model in
-    DDP), and does, with ``g_i`` the gradient of rank i::
+    Backward (the model is not wrapped in DDP): each parameter's post-accumulate-grad hook adds its
+    local gradient into its bucket's staging buffer and frees ``p.grad``. Buckets are reduce-scattered
+    (asynchronously, at most ``in_flight`` at a time) in one fixed order -- last bucket first, as
+    backward produces them -- each as soon as it and every bucket before it in that order are full;
+    at the end of backward (an autograd-engine callback) the rest follow in the same order, a
+    parameter without gradient on this rank counting zeros. Every rank thus issues the same
+    collectives in the same order whatever its data. Each reduced chunk is divided by ``n`` and added
+    into ``grad_shard``: with gradient accumulation every micro-batch reduce-scatters (as DeepSpeed),
+    and the shard accumulates. ``step()``::
 
-        full   = flatten(p.grad for p)              # this rank's local gradient, P elements
-        shard  = reduce_scatter(full) / N           # = (1/N) Σ_i g_i[r*S:(r+1)*S]
-        p.grad = None                               # only the S-element shard survives
-        inner.step()                                # e.g. AdamW on flat[r*S:(r+1)*S] in place
-        flat   = all_gather(flat[r*S:(r+1)*S])      # every rank's full parameters updated
+        inner.step()                       # e.g. AdamW on this rank's chunks of flat, in place
+        flat = all_gather(chunks)          # per bucket: every rank's parameters updated
 
-    The inner optimizer (same class and hyperparameters as the one given) sees one tensor per
-    param group: the intersection of the rank's shard with the group's range (possibly empty), a
-    *view* of ``flat``, so its in-place update writes the parameters directly and its state (m, v)
-    has S elements in total. The gradient shard is a persistent S-element buffer ``grad_shard``.
+    ``collectives``: ``"reduce_scatter"`` (reduce-scatter each bucket, all-gather the parameters) or
+    ``"all_reduce"`` (all-reduce each bucket in place and keep this rank's chunk; each owner broadcasts
+    its chunk): the same payload, in the collectives gloo runs fastest (see ``COLLECTIVES``).
+
+    The inner optimizer (same class and hyperparameters as the one given) sees, per param group, the
+    views of ``flat`` where this rank's chunks meet the group's range (a zero-size view when none
+    do); each view's ``.grad`` is the matching slice of ``grad_shard``, so its state (m, v) has ``S =
+    Σ chunk`` elements in total.
 
     ``param_groups`` are the original groups (real model parameters, read by Lightning and LR
     schedulers); their hyperparameters are copied to the inner groups at every step.
     ``state`` is the inner (sharded) state. ``max_grad_norm`` clips by the global norm of the
-    *reduced* gradient (clipping local grads before the reduction would be wrong).
+    *reduced* gradient (clipping local grads before the reduction would be wrong). The model
+    parameters' ``.grad`` are None after backward: what exists is the reduced shard.
 
-    Limits: one dtype and device for all parameters; no sparse gradients; the full ``.grad``s
-    exist between backward and ``step()`` (DeepSpeed reduces bucket by bucket during backward).
-    A parameter without gradient on *some* ranks is right (its gradient there is zero, as the
-    samples' share of it is); one without gradient on *every* rank in a step (unused, or in a branch
-    not taken that step) is refused: torch's optimizers skip it, but the inner optimizer steps the
-    whole flat shard and would move it (momentum, weight decay) and count the step for it.
+    Limits: one dtype and device for all parameters; no sparse gradients; no loss scaling (fp16's
+    GradScaler reads ``.grad``). A parameter without gradient on *some* ranks is right (its gradient
+    there is zero, as the samples' share of it is); one without gradient on *every* rank in a step
+    (unused, or in a branch not taken that step) is refused: torch's optimizers skip it, but the
+    inner optimizer steps the whole shard and would move it (momentum, weight decay) and count the
+    step for it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, process_group=None,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, bucket_cap_mb: float = 25.0, in_flight: int = 2,
+                 collectives: str = "reduce_scatter") -> None:
         names = {p: n for n, p in module.named_parameters()}
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         missing = [tuple(p.shape) for p in self._params if p not in names]
@@ -100,24 +133,29 @@ class Zero2Optimizer(torch.optim.Optimizer):
             raise ValueError(f"Zero2Optimizer: optimizer parameters of shapes {missing} are not in the module")
         if len({(p.dtype, p.device) for p in self._params}) != 1:
             raise ValueError("Zero2Optimizer: all parameters must share one dtype and device")
+        if not bucket_cap_mb > 0 or in_flight < 1:
+            raise ValueError(f"Zero2Optimizer: bucket_cap_mb must be > 0 and in_flight >= 1, got "
+                             f"{bucket_cap_mb} and {in_flight}")
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"Zero2Optimizer: collectives must be one of {COLLECTIVES}, got {collectives!r}")
+        self.collectives = collectives
         self._fqns = [names[p] for p in self._params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self.last_grad_norm: torch.Tensor | None = None
         self.max_grad_norm = max_grad_norm
+        self.in_flight = in_flight
         self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.process_group)
+        self.world_size = n = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self._offsets, total = [], 0
-        for p in self._params:
-            self._offsets.append(total)
-            total += p.numel()
-        n = self.world_size
-        # a block-quantised inner optimizer (torchao's AdamW8bit: one scale per ``block_size`` elements)
-        # quantises only tensors whose size is a multiple of its block: round the shard up to one
-        block = int(getattr(optimizer, "block_size", 1))
-        self.shard_size = S = -(-total // (n * block)) * block
-        padded = S * n
         first = self._params[0]
+        self._buckets, self._offsets = self._layout(int(getattr(optimizer, "block_size", 1)),
+                                                    max(1, int(bucket_cap_mb * 2**20) // first.element_size()))
+        self._bucket_of = [0] * len(self._params)
+        for k, b in enumerate(self._buckets):
+            for i in b.params:
+                self._bucket_of[i] = k
+        padded = self._buckets[-1].start + n * self._buckets[-1].chunk
+        self.shard_size = sum(b.chunk for b in self._buckets)
         # 1. one flat buffer; every parameter becomes a view of it (identical on every rank)
         self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
@@ -125,24 +163,120 @@ class Zero2Optimizer(torch.optim.Optimizer):
                 self.flat[off:off + p.numel()].copy_(p.reshape(-1))
                 p.data = self.flat[off:off + p.numel()].view_as(p)
         dist.broadcast(self.flat, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-        # 2. this rank's shard, cut per param group: group g covers [start_g, end_g) of flat
-        self.grad_shard = torch.zeros(S, dtype=first.dtype, device=first.device)
-        lo_r, hi_r = self.rank * S, (self.rank + 1) * S
-        self._views, self._ranges, inner_groups, start = [], [], [], 0
-        for i, g in enumerate(optimizer.param_groups):
-            end = padded if i == len(optimizer.param_groups) - 1 else start + sum(p.numel() for p in g["params"])
-            lo, hi = max(start, lo_r), min(end, hi_r)
-            hi = max(lo, hi)  # empty when the group lies outside this rank's shard
-            view = self.flat[lo:hi]
-            view.grad = self.grad_shard[lo - lo_r:hi - lo_r]
-            self._views.append(view)
-            self._ranges.append((lo, hi))
-            inner_groups.append({**_hyperparameters(g), "params": [view]})
-            start = end
+        # 2. this rank's chunks, cut per param group: group g covers [bounds[g], bounds[g+1]) of flat
+        self.grad_shard = torch.zeros(self.shard_size, dtype=first.dtype, device=first.device)
+        starts = [self._offsets[self._index[id(g["params"][0])]] for g in optimizer.param_groups]
+        bounds = [0, *starts[1:], padded]
+        per_group: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+        self._views: list[torch.Tensor] = []  # in shard order (bucket, then group): the state's layout
+        self._ranges: list[tuple[int, int]] = []
+        for b in self._buckets:
+            lo_r = b.start + self.rank * b.chunk
+            for gi in range(len(per_group)):
+                lo, hi = max(bounds[gi], lo_r), min(bounds[gi + 1], lo_r + b.chunk)
+                if hi > lo:
+                    self._add_view(per_group[gi], lo, hi, b.shard_off + lo - lo_r)
+        for views in per_group:
+            if not views:  # a group with nothing on this rank still steps (an empty tensor)
+                self._add_view(views, 0, 0, 0)
+        inner_groups = [{**_hyperparameters(g), "params": views} for g, views in zip(optimizer.param_groups, per_group)]
         self.inner = type(optimizer)(inner_groups, **_constructor_kwargs(optimizer))
         super().__init__([{**_hyperparameters(g), "params": list(g["params"])} for g in optimizer.param_groups],
                          optimizer.defaults)
         self.state = self.inner.state  # what this rank really holds: the sharded state
+        # 3. backward hooks
+        self._has = torch.zeros(len(self._params), dtype=torch.float32, device=first.device)
+        self._next = len(self._buckets) - 1  # the next bucket to launch (last first)
+        self._pending: list[tuple[_Bucket, torch.Tensor, Any]] = []
+        self._armed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(self._params)]
+
+    def _layout(self, block: int, cap: int) -> tuple[list[_Bucket], list[int]]:
+        """Buckets of consecutive parameters (at most ``cap`` elements, or one larger parameter) and each
+        parameter's offset in the flat buffer."""
+        groups: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(self._params):
+            if groups[-1] and size + p.numel() > cap:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += p.numel()
+        buckets, offsets, start, shard_off = [], [0] * len(self._params), 0, 0
+        for idx in groups:
+            off = start
+            for i in idx:
+                offsets[i] = off
+                off += self._params[i].numel()
+            chunk = -(-(off - start) // (self.world_size * block)) * block
+            buckets.append(_Bucket(start, chunk, shard_off, idx))
+            start += chunk * self.world_size
+            shard_off += chunk
+        return buckets, offsets
+
+    def _add_view(self, views: list[torch.Tensor], lo: int, hi: int, shard_lo: int) -> None:
+        view = self.flat[lo:hi]
+        view.grad = self.grad_shard[shard_lo:shard_lo + hi - lo]
+        views.append(view)
+        self._views.append(view)
+        self._ranges.append((lo, hi))
+
+    # --- backward: bucketed reduce-scatter -----------------------------------------------------
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if not self._armed:  # first gradient of this backward: flush what is left when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._armed = True
+        k = self._bucket_of[i]
+        b = self._buckets[k]
+        if k > self._next or i in b.ready:
+            raise RuntimeError(f"zero2: {self._fqns[i]} received a second gradient in one backward, after it was "
+                               "staged for its bucket's reduce-scatter (reentrant checkpointing?)")
+        if b.staging is None:
+            b.staging = torch.zeros(self.world_size * b.chunk, dtype=self.flat.dtype, device=self.flat.device)
+        off = self._offsets[i] - b.start
+        b.staging[off:off + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+        b.ready.add(i)
+        self._has[i] = 1
+        while self._next >= 0 and len(self._buckets[self._next].ready) == len(self._buckets[self._next].params):
+            self._launch(self._buckets[self._next])
+
+    def _launch(self, b: _Bucket) -> None:
+        if b.staging is None:  # nothing of it arrived on this rank: its share is zeros
+            b.staging = torch.zeros(self.world_size * b.chunk, dtype=self.flat.dtype, device=self.flat.device)
+        if self.collectives == "all_reduce":  # in place; this rank then keeps its chunk of the sum
+            out = b.staging[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+            work = dist.all_reduce(b.staging, group=self.process_group, async_op=True)
+        else:
+            out = torch.empty(b.chunk, dtype=self.flat.dtype, device=self.flat.device)
+            work = _reduce_scatter(out, b.staging, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        self._pending.append((b, out, work))
+        self._next -= 1
+        while len(self._pending) > self.in_flight:
+            self._complete(self._pending.pop(0))
+
+    def _complete(self, item: tuple[_Bucket, torch.Tensor, Any]) -> None:
+        b, out, work = item
+        work.wait()
+        out.div_(self.world_size)  # SUM then divide: gloo has no AVG
+        self.grad_shard[b.shard_off:b.shard_off + b.chunk].add_(out)
+        b.staging = None
+        b.ready.clear()
+
+    def _finish_backward(self) -> None:
+        while self._next >= 0:
+            self._launch(self._buckets[self._next])
+        while self._pending:
+            self._complete(self._pending.pop(0))
+        self._next = len(self._buckets) - 1
+        self._armed = False
+
+    def remove_hooks(self) -> None:
+        """Detach the backward hooks (the strategy's teardown): the parameters outlive the optimizer."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     # --- training ------------------------------------------------------------------------------
     def _push_hyperparameters(self) -> None:
@@ -155,30 +289,41 @@ class Zero2Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._pending or self._armed:
+            raise RuntimeError("zero2: step() while a backward's reduce-scatters are unfinished")
         self._push_hyperparameters()
-        has = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32, device=self.flat.device)
-        full = torch.zeros_like(self.flat)  # temporary: this rank's un-reduced gradient
-        for p, off in zip(self._params, self._offsets):
-            if p.grad is not None:
-                full[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-        _reduce_scatter(self.grad_shard, full, op=dist.ReduceOp.SUM, group=self.process_group)
-        del full
-        self.grad_shard.div_(self.world_size)  # SUM then divide: gloo has no AVG
         # One small all-reduce per step carries both the per-parameter "got a gradient" counts and,
         # when clipping, the squared norm of this rank's shard: one collective, not two.
-        counts = torch.cat([has, self.grad_shard.float().pow(2).sum().reshape(1)]) \
-            if self.max_grad_norm is not None else has
+        counts = torch.cat([self._has, self.grad_shard.float().pow(2).sum().reshape(1)]) \
+            if self.max_grad_norm is not None else self._has.clone()
         dist.all_reduce(counts, group=self.process_group)
         self._refuse_globally_unused(counts[:len(self._params)])
         if self.max_grad_norm is not None:
             self.last_grad_norm = counts[-1].sqrt()
             self.grad_shard.mul_(torch.clamp(self.max_grad_norm / (self.last_grad_norm + 1e-6), max=1.0))
         self.inner.step()
-        lo_r = self.rank * self.shard_size
-        mine = self.flat[lo_r:lo_r + self.shard_size].clone()  # gathering into its own input is unsafe
-        _all_gather(self.flat, mine, group=self.process_group)
+        self._gather_parameters()
         return loss
+
+    def _gather_parameters(self) -> None:
+        """Every rank's updated chunks to every rank, bucket by bucket, at most ``in_flight`` buckets
+        at a time: all-gathers (each chunk copied out first: gathering into its own input is unsafe),
+        or with ``collectives="all_reduce"`` one in-place broadcast per chunk from its owner."""
+        n, pending = self.world_size, []
+        for b in self._buckets:
+            if self.collectives == "all_reduce":
+                for r in range(n):
+                    chunk = self.flat[b.start + r * b.chunk:b.start + (r + 1) * b.chunk]
+                    pending.append((chunk, dist.broadcast(chunk, src=dist.get_global_rank(self.process_group, r),
+                                                          group=self.process_group, async_op=True)))
+            else:
+                mine = self.flat[b.start + self.rank * b.chunk:b.start + (self.rank + 1) * b.chunk].clone()
+                pending.append((mine, _all_gather(self.flat[b.start:b.start + n * b.chunk], mine,
+                                                  group=self.process_group, async_op=True)))
+            while len(pending) > self.in_flight * (n if self.collectives == "all_reduce" else 1):
+                pending.pop(0)[1].wait()
+        for _, work in pending:
+            work.wait()
 
     def _refuse_globally_unused(self, has: torch.Tensor) -> None:
         """Stop, in one line on every rank, when a parameter got a gradient on no rank (``has``: ranks that
@@ -194,52 +339,63 @@ class Zero2Optimizer(torch.optim.Optimizer):
                               "find_unused_parameters=True")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new accumulation: the reduced shard and the "got a gradient" flags are zeroed (the
+        parameters' ``.grad`` are already None: the hooks free them)."""
         for p in self._params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+            p.grad = None
         self.grad_shard.zero_()
+        self._has.zero_()
 
     # --- checkpoints ---------------------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "rank": self.rank, "numel": self.flat.numel(),
+                "chunks": [b.chunk for b in self._buckets]}
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the state (no communication); load with the same world size."""
+        """This rank's shard of the state (no communication); load with the same world size and buckets."""
         sd = self.inner.state_dict()
-        sd["zero2"] = {"world_size": self.world_size, "rank": self.rank, "numel": self.flat.numel()}
+        sd["zero2"] = self._meta()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = dict(state_dict)
         meta = sd.pop("zero2", None)
-        mine = {"world_size": self.world_size, "rank": self.rank, "numel": self.flat.numel()}
-        if meta != mine:
-            raise ValueError(f"Zero2Optimizer: sharded state of {meta} cannot load into {mine}; "
-                             "use full_state_dict()/load_full_state_dict() to change world size")
+        if meta != self._meta():
+            raise ValueError(f"Zero2Optimizer: sharded state of {meta} cannot load into {self._meta()}; "
+                             "use full_state_dict()/load_full_state_dict() to change world size or buckets")
         self.inner.load_state_dict(sd)
         self.state = self.inner.state
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             outer.update(_hyperparameters(inner))
 
+    def _gather_flat(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's chunks of a shard-ordered tensor (``S`` elements) gathered into the flat order."""
+        full = torch.empty(self.flat.numel(), dtype=local.dtype, device=local.device)
+        n = self.world_size
+        works = [_all_gather(full[b.start:b.start + n * b.chunk], local[b.shard_off:b.shard_off + b.chunk],
+                             group=self.process_group, async_op=True) for b in self._buckets]
+        for w in works:
+            w.wait()
+        return full
+
     def full_state_dict(self) -> dict[str, Any]:
         """Canonical torch layout keyed by parameter FQN (collective: every rank must call it).
 
-        Per-element state (Adam's ``exp_avg``, ``exp_avg_sq``) is all-gathered from the shards
-        into one flat tensor and cut back into parameter shapes; scalars (``step``) are copied.
+        Per-element state (Adam's ``exp_avg``, ``exp_avg_sq``) is all-gathered from the chunks into
+        the flat order and cut back into parameter shapes; scalars (``step``) are copied.
         The same layout as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(...,
         options=StateDictOptions(full_state_dict=True))``, so a run can resume under any strategy.
         """
         groups = [{**_hyperparameters(g), "params": [self._fqns[self._index[id(p)]] for p in g["params"]]}
                   for g in self.param_groups]
-        per_elem, scalars_by_group = [], []
+        per_elem: list[str] = []
         for view in self._views:
             s = self.inner.state.get(view, {})
             per_elem = per_elem or [k for k, t in s.items() if torch.is_tensor(t) and t.shape == view.shape]
-            scalars_by_group.append({k: v for k, v in s.items() if not (torch.is_tensor(v) and v.shape == view.shape)})
-        gathered = {}
-        for key in per_elem:
-            local = torch.cat([self.inner.state[v][key].reshape(-1) for v in self._views])
-            gathered[key] = torch.empty(self.flat.numel(), dtype=local.dtype, device=local.device)
-            _all_gather(gathered[key], local, group=self.process_group)
+        scalars_by_group = [{k: v for k, v in self.inner.state.get(g["params"][0], {}).items() if k not in per_elem}
+                            for g in self.inner.param_groups]
+        gathered = {key: self._gather_flat(torch.cat([self.inner.state[v][key].reshape(-1) for v in self._views]))
+                    for key in per_elem}
         state: dict[str, dict[str, Any]] = {}
         if per_elem:
             for gi, g in enumerate(self.param_groups):
@@ -253,7 +409,7 @@ class Zero2Optimizer(torch.optim.Optimizer):
 
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the canonical FQN-keyed layout (from ``full_state_dict`` or any other strategy's
-        full optimizer state): every rank keeps only its slice. No communication."""
+        full optimizer state): every rank keeps only its chunks. No communication."""
         full_state, groups = state_dict["state"], state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"Zero2Optimizer: checkpoint has {len(groups)} param groups, optimizer has "
@@ -274,8 +430,11 @@ class Zero2Optimizer(torch.optim.Optimizer):
         for p, fqn, off in zip(self._params, self._fqns, self._offsets):
             for k in per_elem:
                 flats[k][off:off + p.numel()].copy_(full_state[fqn][k].reshape(-1))
-        for gi, (view, (lo, hi)) in enumerate(zip(self._views, self._ranges)):
-            source = full_state[self._fqns[self._index[id(self.param_groups[gi]["params"][0])]]]
-            entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in source.items() if k not in per_elem}
-            entry.update({k: flats[k][lo:hi].clone() for k in per_elem})
-            self.inner.state[view] = entry
+        ranges = {id(v): r for v, r in zip(self._views, self._ranges)}
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            source = full_state[self._fqns[self._index[id(outer["params"][0])]]]
+            for view in inner["params"]:
+                lo, hi = ranges[id(view)]
+                entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in source.items() if k not in per_elem}
+                entry.update({k: flats[k][lo:hi].clone() for k in per_elem})
+                self.inner.state[view] = entry

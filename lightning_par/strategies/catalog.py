@@ -27,7 +27,7 @@ from typing import Any
 __all__ = ["CATALOG", "GRAD_MODES", "Fleet", "Layout", "Option", "Sharding", "StrategyEntry", "entry", "entry_of"]
 
 #: how a strategy holds gradients during backward (costs/peak.py): summed in place, in DDP's
-#: buckets, ZeRO-2's full-size copies until one reduce-scatter, or FSDP's per-unit reduce-scatter
+#: buckets, ZeRO-2's bucketed reduce-scatters into its shard, or FSDP's per-unit reduce-scatter
 GRAD_MODES = ("accumulate", "bucket", "zero2", "fsdp")
 
 
@@ -72,6 +72,7 @@ class Layout:
     data_parallel: str = "replicate"  # expert_parallel / 3d: how the data axis holds the non-expert states
     unsharded_grads: bool = False  # FSDP grad_sync=last_micro_batch with accumulation: full gradients held
     reshard_after_forward: bool = True  # FSDP frees every gathered unit, the root's too, after forward
+    bucket_bytes: int = 25 * 2**20  # ZeRO-2's gradient buckets (the strategy's bucket_cap_mb default)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ With Ψ parameters on N data-parallel ranks, each stage shards one more kind of 
 - ``zero1``: optimizer state (P_os). DDP averages full gradients; torch's ``ZeroRedundancyOptimizer``
   gives each rank whole parameters to own (greedy by size), it updates those and broadcasts them.
 - ``zero2``: also gradients (P_os+g). No DDP: ``Zero2Optimizer`` (layer 1) reduce-scatters the local
-  gradients into one flat 1/N shard per rank, steps its shard and all-gathers the parameters.
+  gradients in buckets from backward hooks into a 1/N shard per rank (full gradients never exist at
+  once), steps its shard and all-gathers the parameters.
 - ``zero3``: also parameters (P_os+g+p) -- FSDP with the model plan's blocks as units, parameters
   freed after forward (``FSDPStrategy`` with those settings fixed).
 - ``zero3_offload``: zero3 with parameters, gradients and optimizer state in host memory and the
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_par.parallel.mesh import ParallelDims
-from lightning_par.parallel.zero import Zero2Optimizer, make_zero1_optimizer
+from lightning_par.parallel.zero import COLLECTIVES, Zero2Optimizer, make_zero1_optimizer
 from lightning_par.strategies.base import ShardedStrategy
 from lightning_par.strategies.checkpoint import canonical_fqn, hyperparameters, initialize_optimizer_state, module_fqns
 from lightning_par.strategies.ddp import DDPStrategy
@@ -83,14 +84,30 @@ class Zero2Strategy(ShardedStrategy):
         activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``).
+        bucket_cap_mb: gradients reduce-scattered together from backward (MB of parameters per bucket).
+        collectives: ``reduce_scatter`` (+ all-gather of the parameters), ``all_reduce`` (+ broadcasts:
+            the same payload, faster on gloo) or ``auto``: ``all_reduce`` on gloo, else ``reduce_scatter``.
     """
 
     strategy_name = "lp_zero2"
 
     def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False) -> None:
+                 timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False,
+                 bucket_cap_mb: float = 25.0, collectives: str = "auto") -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,
                          process_group_backend=process_group_backend, timeout=timeout, sync_batchnorm=sync_batchnorm)
+        if collectives not in ("auto", *COLLECTIVES):
+            raise ValueError(f"zero2: collectives must be one of auto, {', '.join(COLLECTIVES)}; got {collectives!r}")
+        self.bucket_cap_mb = bucket_cap_mb
+        self.collectives = collectives
+
+    @property
+    def zero2_collectives(self) -> str:
+        """The collectives the optimizer runs: ``collectives``, ``auto`` resolved by the process group's backend."""
+        if self.collectives != "auto":
+            return self.collectives
+        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         super().validate_setup(world_size, module)
@@ -104,15 +121,27 @@ class Zero2Strategy(ShardedStrategy):
         clip = trainer.gradient_clip_val
         if clip and trainer.gradient_clip_algorithm not in (None, "norm"):  # None: Lightning's default, norm
             raise ValueError("zero2 clips by the global norm only; use trainer.gradient_clip_algorithm=norm")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("zero2 frees each parameter's .grad into its reduce-scatter bucket, where fp16's loss "
+                             "scaler cannot unscale it; use trainer.precision=bf16-mixed, or strategy=zero1 / zero3")
         group = self.device_mesh.get_group("dp_shard")
         for i, opt in enumerate(list(self.optimizers)):
             self._replace_optimizer(i, Zero2Optimizer(opt, self.lightning_module, process_group=group,
-                                                      max_grad_norm=float(clip) if clip else None))
+                                                      max_grad_norm=float(clip) if clip else None,
+                                                      bucket_cap_mb=self.bucket_cap_mb,
+                                                      collectives=self.zero2_collectives))
         _skip_lightning_clipping(self.precision_plugin)
 
+    def teardown(self) -> None:
+        for opt in self.optimizers:
+            inner = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+            if isinstance(inner, Zero2Optimizer):
+                inner.remove_hooks()
+        super().teardown()
+
     def model_state_tensors(self) -> dict[str, Any]:
-        """Full parameters (the flat buffer), the reduced gradient shard (the full local ``.grad``s
-        alive between backward and step are transient), the sharded optimizer state."""
+        """Full parameters (the flat buffer), the reduced gradient shard (the buckets staged during
+        backward are transient), the sharded optimizer state."""
         zeros = [o for o in self.optimizers if isinstance(o, Zero2Optimizer)]
         params = [z.flat for z in zeros]
         grads = [z.grad_shard for z in zeros]
