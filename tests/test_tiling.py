@@ -33,11 +33,35 @@ def test_tiled_linear_is_the_same_function():
     torch.testing.assert_close(gx, gx_ref, atol=1e-6, rtol=0)
 
 
+def test_tiled_conv1d_is_the_same_function():
+    """GPT-2's fused c_attn (transformers' Conv1D: a transposed linear) in column tiles: the same output
+    and input gradient, and the tiles' weights are the untiled weight's column blocks."""
+    from transformers.pytorch_utils import Conv1D
+
+    from lightning_par.parallel.tiling import TiledConv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(3 * 16, 16)
+    torch.nn.init.normal_(conv.bias)
+    model = nn.ModuleDict({"c_attn": conv})
+    apply_tiling(model, {"c_attn": 4})
+    tiled = model["c_attn"]
+    assert isinstance(tiled, TiledConv1D)
+    torch.testing.assert_close(torch.cat([t.weight for t in tiled.tiles], dim=1), conv.weight, atol=0, rtol=0)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    y_ref, y = conv(x), tiled(x)
+    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=0)
+    g = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_ref, x, g)[0], atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match="divide nf=48"):
+        apply_tiling(nn.ModuleDict({"c": Conv1D(48, 16)}), {"c": 5})
+
+
 def test_bad_tiling_is_one_line():
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
     with pytest.raises(ConfigError, match="must be >= 2 and divide out_features=6"):
         apply_tiling(model, {"0": 4})
-    with pytest.raises(ConfigError, match="only nn.Linear"):
+    with pytest.raises(ConfigError, match="only nn.Linear, nn.Embedding and transformers' Conv1D"):
         apply_tiling(model, {"1": 2})
     with pytest.raises(ConfigError, match="has no module 'head'"):
         apply_tiling(model, {"head": 2})
@@ -71,7 +95,7 @@ def test_tied_weights_are_not_tiled():
     model["emb"].weight = head.weight
     with pytest.raises(ConfigError, match="tied to"):
         apply_tiling(model, {"head": 2})
-    with pytest.raises(ConfigError, match="only nn.Linear and nn.Embedding"):
+    with pytest.raises(ConfigError, match="only nn.Linear, nn.Embedding and"):
         apply_tiling(nn.ModuleDict({"norm": nn.LayerNorm(8)}), {"norm": 2})
 
 
@@ -94,6 +118,19 @@ def test_tiled_hugging_face_model_matches_untiled_single(tmp_path):
     hf = ["model=hf_causal_lm", "model.hidden=64", "model.intermediate=128"]
     ref = train_summary([*QUICK, *hf], tmp_path / "single")
     tiling = "{net.model.embed_tokens:4,net.model.layers.0.self_attn.q_proj:2,net.model.layers.1.mlp.gate_proj:4}"
+    got = train_summary([*QUICK, *hf, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={tiling}"],
+                        tmp_path / "fsdp_tiled")
+    assert_losses_match(got, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_tiled_gpt2_conv1d_matches_untiled_single(tmp_path):
+    """A Hugging Face GPT-2 (built from a config) with its fused c_attn, an MLP c_fc and
+    an attention c_proj tiled (transformers' Conv1D, column tiles), under fsdp at 2 ranks: the untiled
+    single run's losses (rtol 1e-5)."""
+    hf = ["model=hf_causal_lm", "model.arch=gpt2", "model.kv_heads=null", "model.intermediate=128"]
+    ref = train_summary([*QUICK, *hf], tmp_path / "single")
+    tiling = "{net.transformer.h.0.attn.c_attn:4,net.transformer.h.1.mlp.c_fc:2,net.transformer.h.1.attn.c_proj:2}"
     got = train_summary([*QUICK, *hf, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={tiling}"],
                         tmp_path / "fsdp_tiled")
     assert_losses_match(got, ref, rtol=1e-5)

@@ -138,9 +138,9 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
             if key in targets:
                 _copy_local(targets[key], loaded[key])
                 filled.add(key)
-            for piece, rows in pieces.get(key, ()):
+            for piece, block in pieces.get(key, ()):
                 if piece in targets:
-                    _copy_local(targets[piece], loaded[key], rows)
+                    _copy_local(targets[piece], loaded[key], block)
                     filled.add(piece)
         if len(loaded) == len(names):  # every tensor of the group came from the checkpoint: nothing to initialise
             _release_free_memory()  # the slices read were temporaries: hand their pages back (see below)
@@ -169,9 +169,9 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
             if key in targets:
                 _copy_local(targets[key], full)
                 filled.add(key)
-            for piece, rows in pieces.get(key, ()):
+            for piece, block in pieces.get(key, ()):
                 if piece in targets:
-                    _copy_local(targets[piece], full, rows)
+                    _copy_local(targets[piece], full, block)
                     filled.add(piece)
         host = full = None  # drop the last references before trimming
         templates[path] = template.to("meta")  # release the host copy
@@ -198,22 +198,22 @@ def _unset(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).min).all())
 
 
-def _copy_local(target: torch.Tensor, full: torch.Tensor | WeightRef, rows: slice | None = None) -> None:
-    """Copy ``target``'s local piece of ``full`` (``rows`` of it: a tile's block), where ``full`` is a
-    host tensor or a checkpoint tensor read lazily (only the piece is read)."""
-    lead = (rows,) if rows is not None else ()
+def _copy_local(target: torch.Tensor, full: torch.Tensor | WeightRef, block: tuple[slice, ...] | None = None) -> None:
+    """Copy ``target``'s local piece of ``full`` (of ``block`` of it: a tile's, one slice per leading
+    dimension), where ``full`` is a host tensor or a checkpoint tensor read lazily (only the piece is read)."""
+    lead = tuple(block) if block is not None else ()
     if not isinstance(target, DTensor):
         target.copy_(full[lead] if lead else full[()] if isinstance(full, WeightRef) else full)
     elif all(isinstance(p, (Shard, Replicate)) for p in target.placements):
         # the local piece is one block of the full tensor: copy it from a view, no intermediate copy
-        shape = full.shape if rows is None else (rows.stop - rows.start, *full.shape[1:])
+        shape = (*(s.stop - s.start for s in lead), *full.shape[len(lead):])
         local, offset = compute_local_shape_and_global_offset(torch.Size(shape), target.device_mesh,
                                                               target.placements)
         if 0 in tuple(local):
             return  # an empty shard (fewer rows than ranks): nothing to read, and its offset is past the end
         index = [slice(o, o + n) for o, n in zip(offset, local)]
-        if rows is not None:
-            index[0] = slice(rows.start + index[0].start, rows.start + index[0].stop)
+        for d, s in enumerate(lead):  # the tile's block starts there in the untiled tensor
+            index[d] = slice(s.start + index[d].start, s.start + index[d].stop)
         target.to_local().copy_(full[tuple(index)])
     else:  # strided shards (FSDP over a TP-sharded dim): DTensor knows the layout
         whole = full[lead] if lead else full[()] if isinstance(full, WeightRef) else full

@@ -2,7 +2,8 @@
 gather whole is split into tiles computed one after another.
 
 Every large layer can be tiled: ``TiledLinear`` (any ``nn.Linear``: attention q/k/v/o, a fused qkv,
-the MLP, the output head, in our GPT and in Hugging Face models alike) and ``TiledEmbedding`` (an
+the MLP, the output head, in our GPT and in Hugging Face models alike), ``TiledConv1D`` (transformers'
+``Conv1D``: GPT-2's fused c_attn, c_proj, c_fc, in column tiles) and ``TiledEmbedding`` (an
 ``nn.Embedding``: row tiles of the vocabulary). A weight tied to another module's is refused (tiling
 would untie it).
 
@@ -32,6 +33,9 @@ from torch import nn
 
 from lightning_par import ConfigError
 
+#: a tile's block of the untiled tensor: one slice per leading dimension (the rest whole)
+Block = tuple[slice, ...]
+
 
 class TiledLinear(nn.Module):
     """``nn.Linear`` as ``tiles`` row blocks (output features), computed one after another."""
@@ -60,13 +64,52 @@ class TiledLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([tile(x) for tile in self.tiles], dim=-1)
 
-    def tile_sources(self) -> dict[str, tuple[str, slice]]:
-        """``tiles.i.weight -> (weight, rows of the untiled weight)`` (bias likewise)."""
+    def tile_sources(self) -> dict[str, tuple[str, Block]]:
+        """``tiles.i.weight -> (weight, its rows of the untiled weight)`` (bias likewise)."""
         rows = self.out_features // self.n_tiles
         out = {}
         for i, tile in enumerate(self.tiles):
             for name, _ in tile.named_parameters():
-                out[f"tiles.{i}.{name}"] = (name, slice(i * rows, (i + 1) * rows))
+                out[f"tiles.{i}.{name}"] = (name, (slice(i * rows, (i + 1) * rows),))
+        return out
+
+
+def _is_conv1d(layer: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's c_attn, c_proj, c_fc), recognised without importing transformers."""
+    return type(layer).__name__ == "Conv1D" and hasattr(layer, "nf") and hasattr(layer, "nx")
+
+
+class TiledConv1D(nn.Module):
+    """transformers' ``Conv1D`` (``y = x W + b``, ``W`` of shape (in, out): a transposed linear) as
+    ``tiles`` column blocks of ``W`` (output features), computed one after another. GPT-2's fused
+    c_attn is cut along its concatenated q|k|v outputs: the same function, whatever the cut."""
+
+    def __init__(self, conv: nn.Module, tiles: int) -> None:
+        super().__init__()
+        inp, out = conv.weight.shape
+        if tiles < 2 or out % tiles:
+            raise ConfigError(f"tiling: {tiles} tiles must be >= 2 and divide nf={out}")
+        self.nx, self.nf, self.n_tiles = inp, out, tiles
+        cols = out // tiles
+        with torch.device(conv.weight.device):
+            self.tiles = nn.ModuleList(type(conv)(cols, inp).to(conv.weight.dtype) for _ in range(tiles))
+        if conv.weight.device.type != "meta":
+            with torch.no_grad():
+                for i, tile in enumerate(self.tiles):
+                    tile.weight.copy_(conv.weight[:, i * cols:(i + 1) * cols])
+                    tile.bias.copy_(conv.bias[i * cols:(i + 1) * cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tile(x) for tile in self.tiles], dim=-1)
+
+    def tile_sources(self) -> dict[str, tuple[str, Block]]:
+        """``tiles.i.weight -> (weight, all its rows, its columns)``; ``tiles.i.bias -> (bias, its columns)``."""
+        cols = self.nf // self.n_tiles
+        out = {}
+        for i in range(self.n_tiles):
+            mine = slice(i * cols, (i + 1) * cols)
+            out[f"tiles.{i}.weight"] = ("weight", (slice(0, self.nx), mine))
+            out[f"tiles.{i}.bias"] = ("bias", (mine,))
         return out
 
 
@@ -107,13 +150,13 @@ class TiledEmbedding(nn.Module):
             out = part if out is None else out + part
         return out
 
-    def tile_sources(self) -> dict[str, tuple[str, slice]]:
+    def tile_sources(self) -> dict[str, tuple[str, Block]]:
         """``tiles.i.weight -> (weight, its rows of the vocabulary)``."""
-        return {f"tiles.{i}.weight": ("weight", slice(i * self.rows, (i + 1) * self.rows))
+        return {f"tiles.{i}.weight": ("weight", (slice(i * self.rows, (i + 1) * self.rows),))
                 for i in range(self.n_tiles)}
 
 
-TILED = (TiledLinear, TiledEmbedding)
+TILED = (TiledLinear, TiledEmbedding, TiledConv1D)
 
 
 def tileable(model: nn.Module, path: str, tiles: int) -> nn.Module:
@@ -125,12 +168,13 @@ def tileable(model: nn.Module, path: str, tiles: int) -> nn.Module:
         layer = model.get_submodule(path)
     except AttributeError:
         raise ConfigError(f"tiling: {type(model).__name__} has no module {path!r}") from None
-    if not isinstance(layer, (nn.Linear, nn.Embedding)):
-        raise ConfigError(f"tiling: {path} is a {type(layer).__name__}; only nn.Linear and nn.Embedding layers "
-                          "can be tiled")
-    rows = layer.out_features if isinstance(layer, nn.Linear) else layer.num_embeddings
+    if not isinstance(layer, (nn.Linear, nn.Embedding)) and not _is_conv1d(layer):
+        raise ConfigError(f"tiling: {path} is a {type(layer).__name__}; only nn.Linear, nn.Embedding and "
+                          "transformers' Conv1D layers can be tiled")
+    what = "out_features" if isinstance(layer, nn.Linear) else "num_embeddings" if isinstance(layer, nn.Embedding) \
+        else "nf"
+    rows = getattr(layer, what)
     if tiles < 2 or rows % tiles:
-        what = "out_features" if isinstance(layer, nn.Linear) else "num_embeddings"
         raise ConfigError(f"tiling: {tiles} tiles must be >= 2 and divide {what}={rows} of {path}")
     for a, b in tied_parameters(model):
         if f"{path}.weight" in (a, b):
@@ -146,21 +190,23 @@ def apply_tiling(model: nn.Module, tiling: Mapping[str, int]) -> list[str]:
     for path, k in tiling.items():
         layer = tileable(model, path, int(k))
         parent_path, _, name = path.rpartition(".")
-        tiled = TiledLinear(layer, int(k)) if isinstance(layer, nn.Linear) else TiledEmbedding(layer, int(k))
+        kind = TiledLinear if isinstance(layer, nn.Linear) else TiledEmbedding if isinstance(layer, nn.Embedding) \
+            else TiledConv1D
+        tiled = kind(layer, int(k))
         setattr(model.get_submodule(parent_path) if parent_path else model, name, tiled)
         paths += [f"{path}.tiles.{i}" for i in range(int(k))]
     return paths
 
 
-def tile_sources(model: nn.Module, canonical: object = str) -> dict[str, list[tuple[str, slice]]]:
-    """For materialisation: the untiled parameter name -> [(tile parameter name, rows)], names as
+def tile_sources(model: nn.Module, canonical: object = str) -> dict[str, list[tuple[str, Block]]]:
+    """For materialisation: the untiled parameter name -> [(tile parameter name, its block)], names as
     ``canonical`` (a function) writes them."""
-    out: dict[str, list[tuple[str, slice]]] = {}
+    out: dict[str, list[tuple[str, Block]]] = {}
     for path, mod in model.named_modules():
         if isinstance(mod, TILED):
             prefix = canonical(path)  # type: ignore[operator]
-            for piece, (full, rows) in mod.tile_sources().items():
-                out.setdefault(f"{prefix}.{full}", []).append((f"{prefix}.{piece}", rows))
+            for piece, (full, block) in mod.tile_sources().items():
+                out.setdefault(f"{prefix}.{full}", []).append((f"{prefix}.{piece}", block))
     return out
 
 

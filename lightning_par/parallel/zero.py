@@ -291,6 +291,10 @@ class Zero2Optimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._pending or self._armed:
             raise RuntimeError("zero2: step() while a backward's reduce-scatters are unfinished")
+        stray = [self._fqns[i] for i, p in enumerate(self._params) if p.grad is not None]
+        if stray:  # set outside backward: no hook staged them, and stepping would silently ignore them
+            raise RuntimeError(f"zero2: {', '.join(stray[:3])} hold a .grad set outside backward; zero2 reduces "
+                               "gradients only from backward's hooks")
         self._push_hyperparameters()
         # One small all-reduce per step carries both the per-parameter "got a gradient" counts and,
         # when clipping, the squared norm of this rank's shard: one collective, not two.
@@ -304,6 +308,20 @@ class Zero2Optimizer(torch.optim.Optimizer):
         self.inner.step()
         self._gather_parameters()
         return loss
+
+    @torch.no_grad()
+    def initialize_state(self) -> None:
+        """Create the inner optimizer's lazily built state (a checkpoint needs tensors to load into): one
+        inner step on zero gradients with lr 0, which leaves the parameters as they are. No collective."""
+        if self.inner.state:
+            return
+        self.grad_shard.zero_()
+        lrs = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        self.inner.step()
+        for g, lr in zip(self.inner.param_groups, lrs):
+            g["lr"] = lr
 
     def _gather_parameters(self) -> None:
         """Every rank's updated chunks to every rank, bucket by bucket, at most ``in_flight`` buckets

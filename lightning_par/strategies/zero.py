@@ -155,7 +155,7 @@ class Zero2Strategy(ShardedStrategy):
 
     def optimizer_state_template(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         assert isinstance(optimizer, Zero2Optimizer)
-        initialize_optimizer_state(optimizer, optimizer.inner.state)
+        optimizer.initialize_state()
         return self.checkpoint_optimizer_state(optimizer)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
