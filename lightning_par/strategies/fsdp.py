@@ -67,7 +67,7 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
 
     strategy_name = "lp_fsdp"
 
-    def __init__(self, units: str | int | Sequence[str] = "blocks", reshard_after_forward: bool = True,
+    def __init__(self, units: int | str | Sequence[str] = "blocks", reshard_after_forward: bool = True,
                  prefetch: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = None,
                  cpu_offload: bool = False, replicate: int = 1, activation_checkpointing: bool = False,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,

@@ -35,7 +35,7 @@ class FSDPOptions:
         cpu_offload: parameter shards, gradients and optimizer state live in host memory.
     """
 
-    units: str | int | Sequence[str] = "blocks"
+    units: int | str | Sequence[str] = "blocks"
     reshard_after_forward: bool | None = True
     prefetch: int = 1
     param_dtype: str | None = None
@@ -45,6 +45,10 @@ class FSDPOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.units, (str, int)):  # paths (a yaml list): a tuple, so the options stay frozen
             object.__setattr__(self, "units", tuple(self.units))
+        elif isinstance(self.units, str) and self.units.strip().isdigit():
+            # a size passed as text (a command line parsed by type hints that try str first): no module path
+            # or class name is all digits
+            object.__setattr__(self, "units", int(self.units))
 
     def check(self, owner: str) -> None:
         """One-line ``ValueError`` for an option FSDP cannot take (``owner``: the strategy's name)."""
