@@ -52,9 +52,8 @@ def test_model_yaml_instantiates(name):
         model.get_submodule(path)  # every declared path exists
 
 
-@pytest.mark.parametrize("name", names("data"))
-def test_data_yaml_instantiates(name, tmp_path):
-    cfg = composed(f"data={name}")
+def _with_local_inputs(cfg, name, tmp_path):
+    """``cfg.data`` given the files a data config leaves to the user (made here, offline)."""
     with open_dict(cfg):
         if "max_bytes" in cfg.data:
             cfg.data.max_bytes = 100_000
@@ -64,10 +63,25 @@ def test_data_yaml_instantiates(name, tmp_path):
         elif OmegaConf.is_missing(cfg.data, "path"):  # data=tokens: a small token file of its own
             write_tokens(tmp_path / "t.bin", np.arange(10_000, dtype=np.uint16))
             cfg.data.path = str(tmp_path / "t.bin")
-    dm = instantiate(cfg.data)
+    return cfg
+
+
+@pytest.mark.parametrize("name", names("data"))
+def test_data_yaml_instantiates(name, tmp_path):
+    dm = instantiate(_with_local_inputs(composed(f"data={name}"), name, tmp_path).data)
     dm.setup("fit")
     x, y = dm.train_set[0]
     assert len(dm.train_set) > 0 and len(dm.val_set) > 0 and x.shape[0] > 0
+
+
+@pytest.mark.parametrize("data", ["text", "synthetic", "tokens"])
+def test_the_quick_preset_takes_any_token_data(data, tmp_path):
+    """The preset sets only keys every token data module takes: ``experiment=quick data=tokens`` once
+    failed on quick's ``data.max_bytes``, which only the text module has."""
+    cfg = composed("experiment=quick", f"data={data}", tmp=tmp_path)
+    dm = instantiate(_with_local_inputs(cfg, data, tmp_path).data)
+    dm.setup("fit")
+    assert len(dm.train_set) > 0 and cfg.data.seq_len == 64 and cfg.data.global_batch_size == 8
 
 
 @pytest.mark.parametrize("name", names("trainer"))
