@@ -150,13 +150,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         strategy = instantiate(strategy_cfg)
         model = instantiate(cfg.model)
         datamodule = instantiate(cfg.data)
+        callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
         with torch.device("meta"):  # what the strategies will do too: shapes only, no memory
             model.configure_model()  # so the checks before launch see the architecture
     except Exception as e:  # hydra wraps constructor errors; show the cause in one line
         cause = e.__cause__ or e
         raise ConfigError(str(cause) if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {cause}") from None
     set_compile(strategy, cfg.get("compile", False))
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     from lightning_par.loggers import build_loggers, log_run_config
 
     logger = log_run_config(build_loggers(cfg.get("logger")), cfg, strategy)

@@ -265,3 +265,15 @@ def test_run_py_stops_in_one_line(overrides, key, tmp_path):
     assert proc.returncode != 0, out[-2000:]
     assert len(errors) == 1 and errors[0].startswith(f"error: {key}="), out[-2000:]
     assert "Traceback" not in out, out[-2000:]
+
+
+def test_a_callbacks_constructor_refusal_is_one_line_and_exit_2(tmp_path):
+    """A value a callback's own constructor refuses (callbacks.guard.nonfinite is checked there) stops like
+    any config error -- one line, exit 2 -- not as a crash of the run (exit 1): the callbacks are built
+    inside train.build's error wrapping."""
+    proc = run_cli(["experiment=quick", "trainer.max_steps=1", "callbacks.guard.nonfinite=explode"], tmp_path / "run",
+                   timeout=120, check=False)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "nonfinite='explode'" in errors[0], out[-2000:]
+    assert "Traceback" not in out, out[-2000:]

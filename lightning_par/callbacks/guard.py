@@ -77,8 +77,8 @@ class RunGuard(L.Callback):
     def __init__(self, nonfinite: str = "stop", check_every_n_steps: int = 10, checkpoint_dir: str | None = None) -> None:
         if nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"RunGuard: nonfinite={nonfinite!r}; choose from: {', '.join(NONFINITE_ACTIONS)}")
-        if int(check_every_n_steps) < 1:
-            raise ValueError(f"RunGuard: check_every_n_steps={check_every_n_steps} must be >= 1")
+        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
+            raise ValueError(f"RunGuard: check_every_n_steps={check_every_n_steps!r} must be an integer >= 1")
         self.nonfinite = nonfinite
         self.every = int(check_every_n_steps)
         self.checkpoint_dir = checkpoint_dir

@@ -35,7 +35,9 @@ from lightning_par.models.moe import MoE
 
 class MoEMonitor(L.Callback):
     def __init__(self, flush_every_n_steps: int = 50) -> None:
-        self.flush_every_n_steps = max(1, int(flush_every_n_steps))
+        if isinstance(flush_every_n_steps, bool) or not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
+            raise ValueError(f"MoEMonitor: flush_every_n_steps={flush_every_n_steps!r} must be an integer >= 1")
+        self.flush_every_n_steps = flush_every_n_steps
         self._layers: list[MoE] = []
         self._names: list[str] = []
         self._current: torch.Tensor | None = None  # (layers, experts + 1): counts, then dropped
