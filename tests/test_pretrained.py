@@ -284,3 +284,35 @@ def test_outside_a_strategy_from_pretrained_is_transformers_loading(checkpoints:
     assert not any(p.is_meta for p in ours.parameters())
     for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_checkpoint_tensor_is_read_in_blocks_of_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large tensors are read block by block (materialize._copy_in_chunks); with a block of 2 rows here
+    (the real one is 16 MiB) a whole tensor, a tile's block of it and a shard's slice of it equal the
+    saved values, and no read asks for more than a block's bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lightning_par.parallel import materialize
+    from lightning_par.parallel.pretrained import SafetensorsWeights, WeightRef
+
+    full = torch.arange(11 * 6, dtype=torch.float32).reshape(11, 6)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    weights = SafetensorsWeights(tmp_path)
+    reads: list[tuple[slice, ...]] = []
+    real_read = weights.read
+    monkeypatch.setattr(weights, "read", lambda key, index=None: reads.append(index) or real_read(key, index))
+    monkeypatch.setattr(materialize, "_CHUNK_BYTES", 2 * 6 * 4)
+    ref = WeightRef(weights, "w")
+
+    whole = torch.full_like(full, float("nan"))
+    materialize._copy_local(whole, ref)
+    torch.testing.assert_close(whole, full, rtol=0, atol=0)
+    tile = torch.full((5, 6), float("nan"))
+    materialize._copy_local(tile, ref, (slice(4, 9),))  # a tile: rows 4..8 of the untiled weight
+    torch.testing.assert_close(tile, full[4:9], rtol=0, atol=0)
+    shard = torch.full((7, 4), float("nan"))
+    materialize._copy_in_chunks(shard, ref, [slice(3, 10), slice(1, 5)])  # a 2-D block, as a DTensor shard's
+    torch.testing.assert_close(shard, full[3:10, 1:5], rtol=0, atol=0)
+    sizes = [(i[0].stop - i[0].start) * (i[1].stop - i[1].start) * 4 for i in reads]
+    assert len(reads) == 6 + 3 + 3 and max(sizes) <= 2 * 6 * 4, reads  # 2 rows of 6, or 3 rows of the 4 columns

@@ -203,7 +203,10 @@ def _copy_local(target: torch.Tensor, full: torch.Tensor | WeightRef, block: tup
     dimension), where ``full`` is a host tensor or a checkpoint tensor read lazily (only the piece is read)."""
     lead = tuple(block) if block is not None else ()
     if not isinstance(target, DTensor):
-        target.copy_(full[lead] if lead else full[()] if isinstance(full, WeightRef) else full)
+        if isinstance(full, WeightRef):  # the whole tensor (or a tile's block of it), read block by block
+            _copy_in_chunks(target, full, [*lead, *(slice(0, n) for n in full.shape[len(lead):])])
+        else:
+            target.copy_(full[lead] if lead else full)
     elif all(isinstance(p, (Shard, Replicate)) for p in target.placements):
         # the local piece is one block of the full tensor: copy it from a view, no intermediate copy
         shape = (*(s.stop - s.start for s in lead), *full.shape[len(lead):])
@@ -214,11 +217,31 @@ def _copy_local(target: torch.Tensor, full: torch.Tensor | WeightRef, block: tup
         index = [slice(o, o + n) for o, n in zip(offset, local)]
         for d, s in enumerate(lead):  # the tile's block starts there in the untiled tensor
             index[d] = slice(s.start + index[d].start, s.start + index[d].stop)
-        target.to_local().copy_(full[tuple(index)])
+        _copy_in_chunks(target.to_local(), full, index)
     else:  # strided shards (FSDP over a TP-sharded dim): DTensor knows the layout
         whole = full[lead] if lead else full[()] if isinstance(full, WeightRef) else full
         piece = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(piece.to_local())
+
+
+_CHUNK_BYTES = 16 << 20
+
+
+def _copy_in_chunks(dst: torch.Tensor, full: torch.Tensor | WeightRef, index: list[slice]) -> None:
+    """``dst.copy_(full[index])``; a checkpoint tensor is read in blocks of leading rows of at most
+    ``_CHUNK_BYTES``. Each read maps the file only while it runs (``SafetensorsWeights.read``), so what a
+    read holds beside ``dst`` -- the file pages it touched and the block it returns -- stays one block,
+    not the whole slice: loading a large embedding's shard otherwise adds two copies of it to the
+    rank's peak."""
+    if not isinstance(full, WeightRef) or dst.dim() == 0 or dst.numel() * dst.element_size() <= _CHUNK_BYTES:
+        dst.copy_(full[tuple(index)])
+        return
+    rows = max(1, _CHUNK_BYTES // max(1, dst[0].numel() * dst.element_size()))
+    first = index[0]
+    for start in range(0, dst.shape[0], rows):
+        stop = min(start + rows, dst.shape[0])
+        block = [slice(first.start + start, first.start + stop), *index[1:]]
+        dst[start:stop].copy_(full[tuple(block)])
 
 
 def _release_free_memory() -> None:
