@@ -62,6 +62,18 @@ def peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
+def current_rss_bytes() -> int | None:
+    """This process's resident set size now (``VmRSS``); None where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
 def reset_peak_rss() -> bool:
     """Start the peak RSS over from the current RSS (Linux: ``clear_refs``). A Hydra multirun trains
     its jobs one after another in one process, rank 0 included: without this, every job's peak would
@@ -117,6 +129,7 @@ class MemoryMonitor(L.Callback):
         self.measure_at_step = measure_at_step
         self._states: dict[str, int] | None = None
         self._setup: dict[str, int | None] = {}
+        self._rss_before: int | None = None
         self._peak_allocated: int | None = None
         self.per_rank: list[dict[str, Any]] = []
 
@@ -125,6 +138,7 @@ class MemoryMonitor(L.Callback):
         # model and optimizer may still sit in reference cycles until a collection frees them)
         gc.collect()
         reset_peak_rss()
+        self._rss_before = current_rss_bytes()  # what the process holds before any of the model: imports
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the strategy's setup (build, shard, materialise) is over and no step has run: what a rank
@@ -163,7 +177,7 @@ class MemoryMonitor(L.Callback):
         if self._states is None:  # training never ran its end hook (e.g. no step): measure what is held now
             self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
         mine = {"rank": trainer.global_rank, **self._states, "peak_allocated": self._peak_allocated,
-                "peak_rss": peak_rss_bytes(), **self._setup}
+                "peak_rss": peak_rss_bytes(), **self._setup, "rss_before_setup": self._rss_before}
         self.per_rank = sorted(all_gather_objects(mine), key=lambda r: r["rank"])
 
     def summary(self) -> dict[str, Any]:

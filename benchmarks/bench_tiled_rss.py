@@ -1,0 +1,91 @@
+"""Benchmark: the estimator's per-rank peak for tiled runs with bf16 gathers against measured RSS (CPU).
+
+On a CPU every tensor of a run lives in the process's resident memory, so the estimate can be held
+against the peak RSS itself. Per case, two runs of the app with the same overrides: ``mode=estimate``
+(estimate.json: the configured strategy's row, ``peak`` plus ``offloaded``: on a CPU the
+offload's host memory and the "device" are the same memory) and a short training run (summary.json:
+``memory[]``). What the run added is ``peak_rss - rss_before_setup`` (the resident bytes when the
+fit's setup began: the interpreter, torch, Lightning; no part of the model), the largest over the
+ranks. The ratio estimate / measured should stay within 0.85-1.15 (issue 22: +-15%).
+
+Each training run goes twice: with glibc's default allocator, and with ``MALLOC_MMAP_THRESHOLD_`` fixed
+at 1 MiB. By default glibc raises its mmap threshold after large frees (up to 32 MiB), so tensors up to
+that size -- every tile here -- come from heaps whose freed pages it keeps; resident memory then holds
+freed tensors too, which no tensor-level model (the estimator's, or torch's MemTracker) sees. With the
+threshold fixed every tensor of 1 MiB or more is its own mapping, returned when freed, and RSS follows
+the live tensors.
+
+The model is the GPT at a width where the large layers dominate (hidden 1024, vocabulary 50304, 4
+layers), fp32 (``32-true``) with FSDP gathering parameters in bf16 and reducing gradients in fp32,
+every large layer (attention projections, MLP, head, embedding) in 4 tiles, AdamW.
+
+    python benchmarks/bench_tiled_rss.py                 # fsdp and zero3_offload at 2 ranks
+    python benchmarks/bench_tiled_rss.py --hidden 512 --cases fsdp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiling(layers: int, tiles: int) -> str:
+    """Every large layer of the GPT preset in ``tiles`` tiles (the paths ``mode=advise`` tiles)."""
+    paths = ["net.embed.tok", "net.head.lm_head"]
+    for i in range(layers):
+        paths += [f"net.blocks.{i}.attn.{p}" for p in ("wq", "wk", "wv", "wo")]
+        paths += [f"net.blocks.{i}.mlp.{p}" for p in ("fc", "proj")]
+    return "+strategy.tiling={" + ",".join(f"{p}:{tiles}" for p in paths) + "}"
+
+
+def run(args: list[str], out: Path, **env_extra: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_extra)
+    done = subprocess.run([sys.executable, "run.py", *args, f"paths.output_dir={out}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {' '.join(args)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tiles", type=int, default=4)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cases", nargs="+", default=["fsdp", "zero3_offload"])
+    a = ap.parse_args()
+    common = ["model=gpt_small", f"+model.n_embd={a.hidden}", f"+model.n_layer={a.layers}",
+              f"+model.n_head={max(1, a.hidden // 64)}", "+model.vocab_size=50304", "model.optimizer=adamw",
+              "data=synthetic", "data.vocab_size=50304", "data.seq_len=128", f"data.global_batch_size={2 * a.devices}",
+              f"trainer.devices={a.devices}", "trainer.precision=32-true", "strategy.param_dtype=bf16",
+              "strategy.reduce_dtype=fp32", "strategy.activation_checkpointing=true", tiling(a.layers, a.tiles),
+              "check_memory=false"]
+    print(f"GPT hidden {a.hidden}, {a.layers} layers, vocabulary 50304, every large layer in {a.tiles} tiles; "
+          f"32-true, bf16 gathers, fp32 reduce; {a.devices} ranks; CPU")
+    print(f"{'strategy':16s} {'allocator':>22s} {'estimate (MiB)':>15s} {'RSS added (MiB)':>16s} {'estimate / RSS':>15s}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in a.cases:
+            est, fit = Path(tmp) / f"{case}-est", Path(tmp) / f"{case}-fit"
+            run([f"strategy={case}", *common, "mode=estimate", "+estimate.device=cpu"], est)
+            rows = json.loads((est / "estimate.json").read_text())["strategies"]
+            row = next(r for r in rows if r["strategy"] == case)
+            predicted = row["peak"] + row["offloaded"]  # on a CPU the "device" and the host are one memory
+            for allocator, env in (("glibc default", {}), ("mmap threshold 1 MiB", {"MALLOC_MMAP_THRESHOLD_": "1048576"})):
+                run([f"strategy={case}", *common, f"trainer.max_steps={a.steps}", "trainer.limit_val_batches=0",
+                     "callbacks.throughput.warmup_steps=1"], fit, **env)
+                memory = json.loads((fit / "summary.json").read_text())["memory"]
+                added = max(m["peak_rss"] - m["rss_before_setup"] for m in memory)
+                print(f"{case:16s} {allocator:>22s} {predicted / 2**20:15.1f} {added / 2**20:16.1f} "
+                      f"{predicted / added:15.3f}")
+
+
+if __name__ == "__main__":
+    main()
