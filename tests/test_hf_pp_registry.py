@@ -31,12 +31,28 @@ def families_with_pp_plan() -> list[str]:
     return [mt for mt in causal_lm_types() if getattr(CONFIG_MAPPING[mt], "base_model_pp_plan", None)]
 
 
+def families_without_pp_plan() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from lightning_par.models.hf_registry import causal_lm_types
+
+    return [mt for mt in causal_lm_types() if not getattr(CONFIG_MAPPING[mt], "base_model_pp_plan", None)]
+
+
+def two_cuts(n: int, starts: tuple[int, ...]) -> list[list[int]]:
+    """Between decoder layers and right before the head: the allowed stage start nearest the middle,
+    and the last one (``starts``: ``ParallelPlan.stage_starts``; () = every layer)."""
+    allowed = [i for i in (starts or range(n)) if i > 0]
+    mid = min(allowed, key=lambda i: (abs(i - n // 2), i))
+    return [[0, mid, n], [0, allowed[-1], n]] if allowed[-1] != mid else [[0, mid, n]]
+
+
 def _one(model_type: str) -> tuple[str, str]:
     from transformers import AutoModelForCausalLM
 
     from lightning_par.models.hf_registry import tiny_config
     from lightning_par.parallel.hf_pipeline import check_hf_pipeline
-    from lightning_par.parallel.hf_plan import hf_layers
+    from lightning_par.parallel.hf_plan import hf_layers, hf_stage_starts
     from lightning_par.parallel.pipeline import build_stage_modules
 
     try:
@@ -54,14 +70,17 @@ def _one(model_type: str) -> tuple[str, str]:
         return "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     grads = {n: p.grad.clone() for n, p in whole.named_parameters() if p.grad is not None}
     layers = hf_layers(whole)
-    if not layers:  # hf_layers logged which module the plan names and the model lacks
-        return "refused", f"{type(whole).__name__}: its pipeline plan names a module the model does not have"
+    starts, refusal = hf_stage_starts(whole)
+    if not layers:  # no plan derived (the reason), or hf_layers logged the module a declared plan names and lacks
+        return "refused", refusal or f"{type(whole).__name__}: its pipeline plan names a module the model does not have"
     try:
-        check_hf_pipeline(meta, layers, seq_len=SEQ)
+        check_hf_pipeline(meta, layers, seq_len=SEQ, starts=starts)
     except ValueError as e:
         return "refused", str(e)
+    if len(starts or layers) < 2:
+        return "refused", f"{type(whole).__name__}: no stage can start after its first layer"
     n = len(layers)
-    for bounds in ([0, n // 2, n], [0, n - 1, n]):
+    for bounds in two_cuts(n, starts):
         whole.zero_grad(set_to_none=True)
         try:
             x = ids
