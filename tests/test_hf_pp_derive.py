@@ -14,7 +14,7 @@ from lightning_par.models.hf import HFCausalLM
 from lightning_par.parallel.hf_pipeline import check_hf_pipeline
 from lightning_par.parallel.hf_plan import hf_parallel_plan
 from lightning_par.parallel.pipeline import balance_layers, build_stage_modules
-from lightning_par.parallel.stages import check_stage_starts, resolve_split_points
+from lightning_par.parallel.stages import check_stage_starts, measure_layer_times, resolve_split_points
 from lightning_par.strategies.pipeline import PipelineStrategy
 
 GPT2_LAYERS = ("transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.ln_f",
@@ -128,3 +128,13 @@ def test_an_encoder_gets_no_derived_plan_and_one_line_why():
                                            intermediate_size=64, vocab_size=96))
     plan = hf_parallel_plan(model)
     assert plan.layers == () and "decoder-only" in plan.pp_refusal and "\n" not in plan.pp_refusal
+
+
+def test_time_balance_measures_from_one_allowed_start_to_the_next():
+    model = gpt2()
+    plan = hf_parallel_plan(model)
+    costs = measure_layer_times(model, plan.layers, torch.zeros(2, 8, dtype=torch.long), repeats=1,
+                                starts=plan.stage_starts)
+    assert len(costs) == 6 and costs[1] == 0.0 and all(c > 0 for i, c in enumerate(costs) if i != 1)
+    assert all(p.grad is None for p in model.parameters())
+    assert balance_layers(costs, 2, plan.stage_starts)[1] != 1
