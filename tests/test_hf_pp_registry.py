@@ -5,12 +5,13 @@ the plan derived from its forward, ``parallel/hf_pp_derive.py``, with the layers
 at), and the stages -- each running the model's own forward around its layers
 (``parallel/hf_pipeline.py``) -- are chained in one process. Their logits and every parameter's
 gradient must equal the whole model's (rtol 1e-5) at two cuts: between decoder layers, and right
-before the head (for a derived plan: the allowed stage starts nearest to those). One process suffices: what a pipeline adds across
-ranks (the send/receive of the boundary tensor, the schedules) does not depend on the family and
-is tested at 2 and 4 ranks elsewhere (tests/test_pipeline_own_forward.py, test_e2e_model_parallel.py).
+before the head (for a derived plan: the allowed stage starts nearest to those). One process
+suffices: what a pipeline adds across ranks (the send/receive of the boundary tensor, the
+schedules) does not depend on the family and is tested at 2 and 4 ranks elsewhere
+(tests/test_pipeline_own_forward.py, test_e2e_model_parallel.py, test_family_matrix.py).
 
 Outcomes: **parity**; **refused** -- one line before launch (``check_hf_pipeline``: a forward that
-cannot be cut); **unbuildable** -- transformers cannot build or run the family whole at the tiny
+cannot be cut; ``hf_pp_derive``: no plan can be derived); **unbuildable** -- transformers cannot build or run the family whole at the tiny
 sizes; **failed** -- the test fails. Calling decoder layers with hidden states alone (the old
 stage code) fails this test for every family whose layers need a mask or rotary tables.
 """
