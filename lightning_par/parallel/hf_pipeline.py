@@ -1,7 +1,8 @@
 """Pipeline stages of a Hugging Face model run the model's own forward.
 
-A pipeline plan (``_pp_plan`` / ``base_model_pp_plan``, read by ``hf_plan.hf_layers``) says where a
-model may be cut, not what happens between and around those modules. The model's ``forward`` builds
+A pipeline plan (``_pp_plan`` / ``base_model_pp_plan``, read by ``hf_plan.hf_layers``, or for a model
+declaring none the plan ``hf_pp_derive`` reads off its forward, with the layers a stage may start at)
+says where a model may be cut, not what happens between and around those modules. The model's ``forward`` builds
 the attention masks (causal, sliding-window, per-layer mask types such as Gemma-2/3's alternating
 sliding/full layers), the position ids and rotary tables, scales embeddings, applies the final norm
 and soft-caps logits. Calling the layers one after another with hidden states alone loses all of it

@@ -8,6 +8,10 @@ of the blocks themselves -- the modules before the blocks (GPT-2: ``wte``, ``wpe
 ``embed_tokens``, ``embed_positions``, ``project_in``), the blocks, the modules after them
 (``ln_f``, ``final_layer_norm``, ``project_out``) and the head. Every parameter must lie in one of
 them and each must be called exactly once; otherwise the model gets no plan and a one-line reason.
+Only decoder-only language models get one (``GenerationMixin`` in the class hierarchy, not an
+encoder-decoder): a pipeline's last stage hands logits over the sequence to the module's loss, which
+is not what BERT's masked-LM or T5's training step computes. The layers returning a tuple are
+recorded (``tuple_out``: Falcon's, Bloom's blocks), so a stage's stand-in for one returns a tuple too.
 
 Where a stage may start (``starts``). A stage boundary before layer ``i`` is correct only if the
 forward hands the rest of the model everything the earlier layers computed through the tensor
