@@ -75,7 +75,10 @@ def test_plan_of_gpt2():
     m = built("gpt2", tie_word_embeddings=True)
     plan = m.parallel_plan()
     assert plan.blocks == ("net.transformer.h.0", "net.transformer.h.1", "net.transformer.h.2")
-    assert plan.tp_plan == {} and plan.layers == ()  # GPT-2 declares neither (Conv1D, learned positions)
+    assert plan.tp_plan == {}  # GPT-2 declares no TP plan (Conv1D) and no pipeline plan: this one is derived
+    assert plan.layers == ("net.transformer.wte", "net.transformer.wpe", *plan.blocks, "net.transformer.ln_f",
+                           "net.lm_head")
+    assert plan.stage_starts == (0, 2, 3, 4, 5, 6)  # never at wpe: it is called with the position ids
     assert tied_parameters(m) == [("net.transformer.wte.weight", "net.lm_head.weight")]
     assert declared_ties(m) == [("net.transformer.wte.weight", "net.lm_head.weight")]
 
@@ -207,7 +210,7 @@ def test_check_tied_refuses_layouts_that_untie():
     gpt2 = tiny("gpt2", tie_word_embeddings=True)
     gpt2.check_tied(tp=1, pp=1)
     gpt2.check_tied(tp=2)  # tensor parallelism keeps ties (tensor_parallel._retie_split)
-    gpt2.check_tied(pp=2)  # no pipeline plan in transformers' GPT-2: the pipeline's plan check refuses it
+    gpt2.check_tied(pp=2)  # the derived pipeline plan holds wte and lm_head: pipeline_ties keeps the copies equal
     tiny("llama").check_tied(tp=2, pp=2)  # untied: anything goes
     tied_llama = built("llama", tie_word_embeddings=True)
     check_tied(tied_llama, pp=2)
@@ -337,7 +340,7 @@ def test_llama_parity(strategy, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy", [s for s in PARITY if s not in MODEL_PARALLEL])
+@pytest.mark.parametrize("strategy", [s for s in PARITY if s not in MODEL_PARALLEL or s == "pipeline"])
 def test_gpt2_tied_parity(strategy, tmp_path_factory):
     ref = summary_of("hf_gpt2_tiny", "single", 1, tmp_path_factory)
     got = summary_of("hf_gpt2_tiny", strategy, PARITY[strategy], tmp_path_factory)
@@ -350,7 +353,7 @@ def test_gpt2_tied_parity(strategy, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", MODEL_PARALLEL)
+@pytest.mark.parametrize("strategy", [s for s in MODEL_PARALLEL if s != "pipeline"])  # no TP plan for GPT-2
 def test_gpt2_tied_model_parallel_is_refused(strategy, tmp_path):
     proc = run_cli(["model=hf_gpt2_tiny", f"strategy={strategy}", f"trainer.devices={PARITY[strategy]}", *RUN],
                    tmp_path, timeout=240, check=False)

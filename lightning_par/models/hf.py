@@ -5,7 +5,7 @@
 size, with SDPA or eager attention. Parallelism comes
 from what the model itself declares (``parallel/hf_plan.py``): its decoder layers are the FSDP and
 activation-checkpointing units, its tensor-parallel plan is translated to ours, its pipeline plan
-gives the cut points, and each pipeline stage runs the model's own forward (``parallel/hf_pipeline.py``:
+(or, for GPT-2, one derived from its forward: ``parallel/hf_pp_derive.py``) gives the cut points, and each pipeline stage runs the model's own forward (``parallel/hf_pipeline.py``:
 its masks, positions, rotary tables, scaling and soft-capping). The model is built in
 ``configure_model()`` (Lightning calls it inside the strategy's init context, possibly on the meta
 device); ``parallel_plan()`` works before that from a meta-device copy, so a run can be validated

@@ -52,6 +52,12 @@ class ParallelPlan:
     - ``experts``: the routed-expert modules expert parallelism shards over ``ep`` (stacked weights
       whose dim 0 is the expert: our ``Experts``, or a Hugging Face experts module taking
       ``(hidden_states, top_k_index, top_k_weights)``); ``n_experts``: experts in each (what ep divides).
+    - ``stage_starts``: the indices of ``layers`` at which a pipeline stage may start (0 among them);
+      () means at every layer. A model whose forward passes something other than the previous
+      layer's output into a layer (GPT-2's ``wpe`` takes position ids) must not be cut before it:
+      balanced cuts keep to these, explicit ``split_points`` elsewhere are refused.
+    - ``pp_refusal``: why no pipeline plan could be found for the model (one line); a pipeline
+      refuses with it.
     """
 
     layers: tuple[str, ...] = ()
@@ -61,6 +67,8 @@ class ParallelPlan:
     tp_refusal: str = ""
     experts: tuple[str, ...] = ()
     n_experts: int = 0
+    stage_starts: tuple[int, ...] = ()
+    pp_refusal: str = ""
 
     def prefixed(self, prefix: str) -> "ParallelPlan":
         if not prefix:

@@ -1,7 +1,8 @@
 """Pipeline stages of a Hugging Face model run the model's own forward.
 
-A pipeline plan (``_pp_plan`` / ``base_model_pp_plan``, read by ``hf_plan.hf_layers``) says where a
-model may be cut, not what happens between and around those modules. The model's ``forward`` builds
+A pipeline plan (``_pp_plan`` / ``base_model_pp_plan``, read by ``hf_plan.hf_layers``, or for a model
+declaring none the plan ``hf_pp_derive`` reads off its forward, with the layers a stage may start at)
+says where a model may be cut, not what happens between and around those modules. The model's ``forward`` builds
 the attention masks (causal, sliding-window, per-layer mask types such as Gemma-2/3's alternating
 sliding/full layers), the position ids and rotary tables, scales embeddings, applies the final norm
 and soft-caps logits. Calling the layers one after another with hidden states alone loses all of it
@@ -10,7 +11,8 @@ and soft-caps logits. Calling the layers one after another with hidden states al
 - on a *shell* of the model: shallow copies of the containers above the plan's layers (the model,
   its base model, the ``layers`` list), sharing every parameter, buffer and other submodule with the
   real model, in which each layer of the plan is replaced by what this stage does with it:
-  * a layer of an earlier stage hands its input on unchanged (``_Skip``; nothing of it runs),
+  * a layer of an earlier stage hands its input on unchanged (``_Skip``; nothing of it runs; one
+    called with something other than the activation, such as GPT-2's position embedding, gives 0),
   * this stage's first layer gets the activation the previous stage sent instead of whatever the
     forward computed up to it (``_Enter``),
   * this stage's layers are the real modules (as wrapped by TP, checkpointing, compile, FSDP),
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from lightning_par.parallel.hf_plan import find_hf_model
+from lightning_par.parallel.hf_pp_derive import meta_copy, meta_forward, shape_only
 
 
 class _StageOutput(Exception):  # noqa: N818 - control flow, not an error
@@ -92,8 +95,24 @@ class _StandIn(nn.Module):
 
 
 class _Skip(_StandIn):
+    """A layer of an earlier stage: hands its hidden states on. A layer called with something else
+    than a tensor shaped like the activation this stage received (GPT-2's ``wpe`` and OPT's
+    ``embed_positions`` take position ids or a mask, and their output is added to the embeddings)
+    gives a zero scalar instead, which adds to anything: the value is replaced by the received
+    activation at this stage's first layer anyway (``_Enter``)."""
+
+    def __init__(self, path: str, real: nn.Module, x: torch.Tensor, tuple_len: int = 0) -> None:
+        super().__init__(path, real)
+        object.__setattr__(self, "_lp_shape", tuple(x.shape))
+        object.__setattr__(self, "_lp_dtype", x.dtype if x.is_floating_point() else torch.get_default_dtype())
+        object.__setattr__(self, "_lp_tuple", tuple_len)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _hidden(args, kwargs)
+        h = _hidden(args, kwargs)
+        if isinstance(h, torch.Tensor) and tuple(h.shape) != self.__dict__["_lp_shape"]:
+            h = torch.zeros((), dtype=self.__dict__["_lp_dtype"], device=h.device)
+        n = self.__dict__["_lp_tuple"]  # the real layer returns a tuple (hidden states first): so does this
+        return (h, *([None] * (n - 1))) if n else h
 
 
 class _Leave(_StandIn):
@@ -160,6 +179,8 @@ class HFStageRunner:
         self.layers, self.start, self.end = list(layers), start, end
         cut = len(hf_path) + 1 if hf_path else 0
         self.rel = [p[cut:] for p in self.layers]
+        hf = root.get_submodule(hf_path) if hf_path else root
+        self.tuple_out = _tuple_outputs(hf)
 
     def __repr__(self) -> str:
         return f"HFStageRunner(layers {self.start}..{self.end - 1} of {len(self.layers)})"
@@ -173,7 +194,7 @@ class HFStageRunner:
         replacements: dict[str, nn.Module] = {}
         for i, (path, rel) in enumerate(zip(self.layers, self.rel)):
             if i < self.start:
-                replacements[rel] = _Skip(path, real[path])
+                replacements[rel] = _Skip(path, real[path], x, self.tuple_out.get(rel, 0))
             elif i == self.start and self.start > 0:
                 replacements[rel] = _Enter(path, layer_of(path), x)
             elif i < self.end:
@@ -190,6 +211,16 @@ class HFStageRunner:
             raise RuntimeError("pipeline stage: the model's forward returned without calling "
                                f"{self.layers[self.end]!r}")
         return _logits(out)
+
+
+def _tuple_outputs(hf: nn.Module) -> dict[str, int]:
+    """The layers of a derived pipeline plan (``hf_pp_derive``) returning a tuple, and its length; a
+    declared plan's layers return tensors."""
+    if getattr(getattr(hf, "config", None), "base_model_pp_plan", None):
+        return {}
+    from lightning_par.parallel.hf_plan import hf_derived_pp
+
+    return dict(hf_derived_pp(hf).tuple_out)
 
 
 def hf_stage_runner(model: nn.Module, layers: Sequence[str], start: int, end: int) -> HFStageRunner | None:
@@ -211,10 +242,7 @@ def hf_stage_runner(model: nn.Module, layers: Sequence[str], start: int, end: in
 def _meta_model(hf: nn.Module) -> nn.Module:
     """``hf`` itself when it is all on the meta device (as before launch), else a fresh meta-device
     model of its class and config (the real one may be large, or already cut)."""
-    if all(t.is_meta for t in [*hf.parameters(), *hf.buffers()]):
-        return hf
-    with torch.device("meta"):
-        return type(hf)._from_config(copy.deepcopy(hf.config))
+    return meta_copy(hf)
 
 
 @contextlib.contextmanager
@@ -224,18 +252,8 @@ def _shape_only_experts(model: nn.Module) -> Iterator[None]:
     and what crosses a cut, which the experts do not change."""
     from lightning_par.parallel.hf_plan import hf_experts
 
-    mods = [model.get_submodule(p) for p in hf_experts(model)[0]]
-    saved = [m.__dict__.get("forward") for m in mods]
-    for m in mods:
-        m.forward = lambda hidden_states, *args, **kwargs: torch.zeros_like(hidden_states)
-    try:
+    with shape_only(model, hf_experts(model)[0]):
         yield
-    finally:
-        for m, f in zip(mods, saved):
-            if f is None:
-                del m.forward
-            else:
-                m.forward = f
 
 
 def _first_line(e: BaseException) -> str:
@@ -243,16 +261,19 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def check_hf_pipeline(model: nn.Module, layers: Sequence[str], seq_len: int = 8) -> None:
+def check_hf_pipeline(model: nn.Module, layers: Sequence[str], seq_len: int = 8, starts: Sequence[int] = ()) -> None:
     """Refuse, with a one-line ``ValueError``, a Hugging Face model whose own forward cannot run as
     pipeline stages cut at ``layers`` (see the module docstring); nothing for other models.
 
-    On the meta device: the whole forward must call the plan's layers once each, in plan order, each
-    with a tensor of hidden states first; then every stage of the finest cut (one layer per stage)
-    runs through ``HFStageRunner`` as a pipeline rank would (a stage's output must be one tensor).
-    Meta tensors have no values, and building a mask reads some (transformers looks for packed
-    sequences), so these runs pass an explicit causal mask: what is checked is the order of calls
-    and what crosses a cut, not the mask (each stage builds that with the model's own code).
+    Every parameter of the model must lie in one of ``layers`` (a parameter outside them would be
+    replicated on every stage and trained on one). On the meta device: the whole forward must call
+    the plan's layers once each, in plan order, each with a tensor of hidden states first; then
+    every stage of the finest cut (one layer per stage, or one stage from each of ``starts`` to the
+    next: ``ParallelPlan.stage_starts``) runs through ``HFStageRunner`` as a pipeline rank would (a
+    stage's output must be one tensor). Meta tensors have no values, and building a mask reads some
+    (transformers looks for packed sequences), so these runs pass an explicit mask
+    (``hf_pp_derive.meta_mask_options``): what is checked is the order of calls and what crosses a
+    cut, not the mask (each stage builds that with the model's own code).
     """
     found = find_hf_model(model)
     if found is None:
@@ -274,20 +295,24 @@ def check_hf_pipeline(model: nn.Module, layers: Sequence[str], seq_len: int = 8)
             meta.get_submodule(r)
         except AttributeError:
             raise ValueError(f"pipeline: {name} has no module {r!r}, which its pipeline plan names") from None
+    covered = {id(p) for r in rel for p in meta.get_submodule(r).parameters()}
+    loose = [n for n, p in meta.named_parameters(remove_duplicate=False) if id(p) not in covered]
+    if loose:
+        raise ValueError(f"pipeline: {name}'s parameter {loose[0]!r} lies in no layer of its pipeline plan, so it "
+                         "would be replicated on every stage and trained on one; it cannot be cut into stages")
     with _shape_only_experts(meta):
-        _check_on_meta(meta, name, rel, seq_len)
+        _check_on_meta(meta, name, rel, seq_len, starts)
 
 
-def _check_on_meta(meta: nn.Module, name: str, rel: list[str], seq_len: int) -> None:
+def _check_on_meta(meta: nn.Module, name: str, rel: list[str], seq_len: int, starts: Sequence[int] = ()) -> None:
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device="meta").tril()[None, None]
     calls: list[int] = []
     handles = [meta.get_submodule(r).register_forward_pre_hook(
         lambda _m, args, kwargs, i=i: calls.append(i if isinstance(_hidden(args, kwargs), torch.Tensor) else -1),
         with_kwargs=True) for i, r in enumerate(rel)]
     try:
         with torch.no_grad():
-            meta(input_ids=ids, attention_mask=mask, use_cache=False)
+            _, option = meta_forward(meta, ids, before=calls.clear)
     except Exception as e:  # noqa: BLE001 - whatever the model's own forward raises on meta tensors
         raise ValueError(f"pipeline: {name}'s forward failed on the meta device ({_first_line(e)}); "
                          "it cannot be checked for pipeline stages") from None
@@ -297,13 +322,14 @@ def _check_on_meta(meta: nn.Module, name: str, rel: list[str], seq_len: int) -> 
     if calls != list(range(len(rel))):
         raise ValueError(f"pipeline: {name}'s forward does not call the layers of its pipeline plan once each, in "
                          f"plan order, with hidden states first (calls: {calls}); it cannot be cut into stages")
+    edges = [*(sorted(starts) if starts else range(len(rel))), len(rel)]
     hidden: Any = ids
-    for s in range(len(rel)):
+    for a, b in zip(edges, edges[1:]):
         try:
             with torch.no_grad():
-                hidden = HFStageRunner(meta, "", rel, s, s + 1)(hidden, meta.get_submodule, attention_mask=mask)
+                hidden = HFStageRunner(meta, "", rel, a, b)(hidden, meta.get_submodule, **option)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"pipeline: a stage of {name} starting at {rel[s]!r} cannot run through its own "
+            raise ValueError(f"pipeline: a stage of {name} starting at {rel[a]!r} cannot run through its own "
                              f"forward ({_first_line(e)})") from None
         if not isinstance(hidden, torch.Tensor):
-            raise ValueError(f"pipeline: a stage of {name} ending before {rel[s + 1]!r} does not end in one tensor")
+            raise ValueError(f"pipeline: a stage of {name} ending before {rel[b]!r} does not end in one tensor")

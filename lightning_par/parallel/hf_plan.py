@@ -15,7 +15,9 @@ Duck-typed: nothing here imports ``transformers``; a model is recognised by its 
 - ``layers``: the pipeline cut points from ``base_model_pp_plan`` (the base model's parts in forward
   order, a ``ModuleList`` expanded to its layers) followed by the head's ``_pp_plan``. They say where
   to cut, not how to run a part: decoder layers take the masks and rotary tables the model's forward
-  builds, so each stage runs that forward itself (``hf_pipeline.py``).
+  builds, so each stage runs that forward itself (``hf_pipeline.py``). A model declaring no
+  pipeline plan (GPT-2, OPT, Falcon, ...) gets one derived from its forward (``hf_pp_derive.py``),
+  with the layers a stage may start at (``hf_stage_starts``).
 
 Tied parameters (GPT-2's and ``tie_word_embeddings``' input/output embedding): ``tied_parameters``
 lists them and ``check_tied`` refuses the layouts that would silently untie them.
@@ -117,13 +119,30 @@ def hf_tp_divisible(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def hf_derived_pp(model: nn.Module):  # noqa: ANN201 - hf_pp_derive.DerivedPP
+    """The pipeline plan derived from ``model``'s forward (``hf_pp_derive``; for a model declaring none)."""
+    from lightning_par.parallel.hf_pp_derive import derive_pp_plan
+
+    return derive_pp_plan(model, hf_blocks(model), hf_experts(model)[0])
+
+
+def hf_stage_starts(model: nn.Module) -> tuple[tuple[int, ...], str]:
+    """Where a pipeline stage may start (indices into ``hf_layers``; () = at every layer) and, when the
+    model has no pipeline plan at all, the one-line reason."""
+    if getattr(getattr(model, "config", None), "base_model_pp_plan", None):
+        return (), ""
+    derived = hf_derived_pp(model)
+    return derived.starts, derived.refusal
+
+
 def hf_layers(model: nn.Module) -> tuple[str, ...]:
-    """Pipeline cut points from ``base_model_pp_plan`` + the head's ``_pp_plan``; () without one."""
+    """Pipeline cut points from ``base_model_pp_plan`` + the head's ``_pp_plan``, or derived from the
+    model's forward when it declares none (``hf_pp_derive``); () when neither gives any."""
     cfg = getattr(model, "config", None)
     base = getattr(cfg, "base_model_pp_plan", None) or {}
     head = getattr(type(model), "_pp_plan", None) or {}
     if not base:
-        return ()
+        return hf_derived_pp(model).layers
     prefix = getattr(model, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model else ""
     layers: list[str] = []
@@ -154,9 +173,10 @@ def hf_parallel_plan(model: nn.Module) -> ParallelPlan | None:
         log.info("%s; tensor parallelism is unavailable for this model", refusal)
         tp_plan = {}
     experts, n_experts = hf_experts(model)
+    starts, pp_refusal = hf_stage_starts(model)
     return ParallelPlan(layers=hf_layers(model), blocks=hf_blocks(model), tp_plan=tp_plan,
                         tp_divisible=hf_tp_divisible(model) if tp_plan else {}, tp_refusal=refusal,
-                        experts=experts, n_experts=n_experts)
+                        experts=experts, n_experts=n_experts, stage_starts=starts, pp_refusal=pp_refusal)
 
 
 def _matches(pattern: str, path: str) -> bool:

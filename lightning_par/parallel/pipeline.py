@@ -69,12 +69,23 @@ ONE_F_ONE_B = ("1f1b", "interleaved_1f1b", "zb", "zbv")
 # Cutting the model
 
 
-def balance_layers(costs: Sequence[float], n_stages: int) -> list[int]:
+def balance_layers(costs: Sequence[float], n_stages: int, starts: Sequence[int] = ()) -> list[int]:
     """Cut ``costs`` into ``n_stages`` contiguous non-empty groups minimizing the largest group sum.
 
     Returns the boundaries ``[0, b_1, ..., len(costs)]``: stage s holds layers ``b_s .. b_{s+1}-1``.
     Among optimal cuts it returns the one packing each stage as full as possible from the front.
+    ``starts`` (``ParallelPlan.stage_starts``; () = any layer): the only layers a stage may begin at;
+    the layers from one start to the next are then balanced as one.
     """
+    if starts:
+        edges = [*sorted(starts), len(costs)]
+        grouped = [float(sum(costs[a:b])) for a, b in zip(edges, edges[1:])]
+        try:
+            bounds = balance_layers(grouped, n_stages)
+        except ValueError:
+            raise ValueError(f"cannot cut {len(costs)} layers into {n_stages} pipeline stages: a stage may start "
+                             f"at only {len(grouped)} of them (the model's stage_starts)") from None
+        return [edges[b] for b in bounds]
     n = len(costs)
     if n_stages < 1:
         raise ValueError(f"number of pipeline stages must be at least 1, got {n_stages}")

@@ -54,10 +54,30 @@ def _replace_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     parent._modules[leaf] = new
 
 
-def resolve_split_points(layers: Sequence[str], split_points: Sequence[int | str], n_stages: int) -> list[int]:
+def n_stage_starts(layers: Sequence[str], starts: Sequence[int] = ()) -> int:
+    """How many layers a stage may start at: the most stages ``layers`` can be cut into."""
+    return len(starts) if starts else len(layers)
+
+
+def check_stage_starts(layers: Sequence[str], bounds: Sequence[int], starts: Sequence[int] = ()) -> None:
+    """One-line ``ValueError`` when a stage of ``bounds`` starts at a layer outside ``starts``
+    (``ParallelPlan.stage_starts``; () = any layer)."""
+    if not starts:
+        return
+    allowed = set(starts)
+    for b in bounds[1:-1]:
+        if b not in allowed:
+            ok = ", ".join(layers[i] for i in sorted(allowed) if i)
+            raise ValueError(f"pipeline: a stage cannot start at {layers[b]!r}: the model's forward does not pass it "
+                             f"the previous layer's output (it would compute a wrong model); stages may start at: {ok}")
+
+
+def resolve_split_points(layers: Sequence[str], split_points: Sequence[int | str], n_stages: int,
+                         starts: Sequence[int] = ()) -> list[int]:
     """Stage boundaries ``[0, ..., len(layers)]`` from split points: the first layer of every stage
     after the first, as an index into ``layers`` or a layer path (``net.blocks.4``; the unique layer
-    ending in ``.blocks.4`` also matches ``blocks.4``)."""
+    ending in ``.blocks.4`` also matches ``blocks.4``). A stage starting outside ``starts``
+    (``ParallelPlan.stage_starts``) is refused in one line."""
     layers = list(layers)
     cuts = []
     for point in split_points:
@@ -75,32 +95,45 @@ def resolve_split_points(layers: Sequence[str], split_points: Sequence[int | str
     bounds = [0, *cuts, len(layers)]
     if any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"split_points must be increasing layer indices between 1 and {len(layers) - 1}, got {cuts}")
+    check_stage_starts(layers, bounds, starts)
     return bounds
 
 
 def measure_layer_times(module: nn.Module, layers: Sequence[str], example: torch.Tensor,
-                        repeats: int = 3) -> list[float]:
+                        repeats: int = 3, starts: Sequence[int] = ()) -> list[float]:
     """Seconds of forward + backward of every layer on ``example`` (median of ``repeats`` runs after a
     warm-up), layer by layer: the costs for a compute-balanced pipeline cut. A Hugging Face model's
-    layer runs as a one-layer stage would, through the model's own forward (``hf_pipeline``)."""
-    runners = [hf_stage_runner(module, layers, i, i + 1) for i in range(len(layers))]
-    times: list[list[float]] = [[] for _ in layers]
+    layer runs as a one-layer stage would, through the model's own forward (``hf_pipeline``). With
+    ``starts`` (``ParallelPlan.stage_starts``) the layers from one start to the next run as one stage
+    (nothing else would be correct), their time counted on the first of them (0 on the others)."""
+    edges = [*(sorted(starts) if starts else range(len(layers))), len(layers)]
+    groups = list(zip(edges, edges[1:]))
+    runners = [hf_stage_runner(module, layers, a, b) for a, b in groups]
+    times: list[list[float]] = [[] for _ in groups]
     sync = torch.cuda.synchronize if example.device.type == "cuda" else (lambda: None)
     for run in range(repeats + 1):
         h = example
-        for i, path in enumerate(layers):
+        for g, (a, b) in enumerate(groups):
             x = h.detach().requires_grad_() if h.is_floating_point() else h
             sync()
             start = time.perf_counter()
-            runner = runners[i]
-            out = runner(x, module.get_submodule) if runner is not None else module.get_submodule(path)(x)
+            runner = runners[g]
+            if runner is not None:
+                out = runner(x, module.get_submodule)
+            else:
+                out = x
+                for path in layers[a:b]:
+                    out = module.get_submodule(path)(out)
             out.float().sum().backward()
             sync()
             if run:
-                times[i].append(time.perf_counter() - start)
+                times[g].append(time.perf_counter() - start)
             h = out.detach()
     module.zero_grad(set_to_none=True)
-    return [statistics.median(t) for t in times]
+    costs = [0.0] * len(layers)
+    for (a, _), t in zip(groups, times):
+        costs[a] = statistics.median(t)
+    return costs
 
 
 

@@ -54,7 +54,13 @@ from lightning_par.parallel.pipeline import (
 )
 from lightning_par.parallel.pipeline_ties import StageTie, broadcast_first_copy, plan_stage_ties
 from lightning_par.parallel.ties import tied_parameters
-from lightning_par.parallel.stages import drop_remote_layers, measure_layer_times, resolve_split_points
+from lightning_par.parallel.stages import (
+    check_stage_starts,
+    drop_remote_layers,
+    measure_layer_times,
+    n_stage_starts,
+    resolve_split_points,
+)
 from lightning_par.parallel.tensor_parallel import check_sequence_parallel, check_tp_divisible
 from lightning_par.strategies.base import ShardedStrategy, has_batchnorm
 from lightning_par.strategies.checkpoint import canonical_fqn
@@ -217,6 +223,8 @@ class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy)
             raise ValueError(f"{name}: param_dtype/reduce_dtype are FSDP mixed precision, but this layout has no "
                              f"FSDP axis (dp_shard={dims.dp_shard}); use trainer.precision=bf16-mixed instead")
         if self.uses_pipeline(dims):
+            if not plan.layers and plan.pp_refusal:
+                raise ValueError(f"{name}: pipeline: {plan.pp_refusal}")
             if not plan.layers:
                 raise ValueError(f"{name}: pipeline parallelism needs to know where {model} may be cut; declare "
                                  "parallel_plan().layers (paths applied one after another, one tensor to one "
@@ -225,10 +233,12 @@ class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy)
                 raise ValueError(f"{name}: the pipeline's last stage needs {model}.loss_fn(output, target)")
             m = self.n_microbatches_for(dims.pp)
             n_stages = validate_pipeline(self.schedule, pp_size=dims.pp, n_microbatches=m,
-                                         virtual_stages=self.virtual_stages, n_layers=len(plan.layers))
-            check_hf_pipeline(module, plan.layers)  # its stages run its own forward: refuse one that cannot
+                                         virtual_stages=self.virtual_stages,
+                                         n_layers=n_stage_starts(plan.layers, plan.stage_starts))
+            # its stages run its own forward: refuse one that cannot
+            check_hf_pipeline(module, plan.layers, starts=plan.stage_starts)
             if self.split_points is not None:
-                resolve_split_points(plan.layers, self.split_points, n_stages)
+                resolve_split_points(plan.layers, self.split_points, n_stages, plan.stage_starts)
             elif self.balance == "time" and example_input_of(module) is None:
                 raise ValueError(f"{name}: balance=time measures layers on {model}.example_input(batch_size), "
                                  "which it does not define; use balance=params or split_points")
@@ -319,7 +329,7 @@ class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy)
         out: dict[str, Any] = {}
         pipelined = self.uses_pipeline(dims)
         if pipelined:
-            out["cut"] = lambda model: self._cut(model, resolved.plan.layers)
+            out["cut"] = lambda model: self._cut(model, resolved.plan.layers, resolved.plan.stage_starts)
         if dims.tp > 1:
             out["tensor_parallel"] = TensorParallel(mesh["tp"], sequence_parallel=self.sequence_parallel,
                                                     loss_parallel=self.loss_parallel and not pipelined)
@@ -368,9 +378,9 @@ class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy)
             self._pipeline = self._build_schedule(stages)
         return stages
 
-    def _cut(self, module: nn.Module, layers: Sequence[str]) -> list[nn.Module]:
+    def _cut(self, module: nn.Module, layers: Sequence[str], starts: Sequence[int] = ()) -> list[nn.Module]:
         """The **cut stages** step of ``parallelize``: this rank's stage modules; other layers become
-        ``RemoteLayer``s."""
+        ``RemoteLayer``s. A stage starts only at ``starts`` (``ParallelPlan.stage_starts``; () = anywhere)."""
         dims, mesh, trainer = self.parallel_dims, self.device_mesh, self.lightning_module.trainer
         layers = list(layers)
         m = self.n_microbatches_for(dims.pp)
@@ -382,16 +392,18 @@ class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.split_points is not None:
-            bounds = resolve_split_points(layers, self.split_points, n_stages)
+            bounds = resolve_split_points(layers, self.split_points, n_stages, starts)
         elif self.balance == "time":  # measured on rank 0 (on a real copy of the model) and broadcast
             costs = None
             if self.global_rank == 0:
                 costs = measure_layer_times(_measurable(module), layers,
-                                            example_input_of(module)(max(1, (micro or m) // m), device=self.root_device))
+                                            example_input_of(module)(max(1, (micro or m) // m), device=self.root_device),
+                                            starts=starts)
             costs = self.broadcast(costs)
-            bounds = balance_layers(costs, n_stages)
+            bounds = balance_layers(costs, n_stages, starts)
         else:
-            bounds = balance_layers(layer_costs_by_params(module, layers), n_stages)
+            bounds = balance_layers(layer_costs_by_params(module, layers), n_stages, starts)
+        check_stage_starts(layers, bounds, starts)
         pp_rank = mesh["pp"].get_local_rank() if dims.pp > 1 else 0
         indices = stage_indices_for_rank(self.schedule, pp_rank, dims.pp, self.virtual_stages)
         owner = {path: s for s in range(n_stages) for path in layers[bounds[s]:bounds[s + 1]]}
