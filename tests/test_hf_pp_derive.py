@@ -74,6 +74,9 @@ def test_the_pipeline_strategy_refuses_a_split_point_at_a_disallowed_start():
     with pytest.raises(ValueError, match="cannot start at 'net.transformer.wpe'") as e:
         PipelineStrategy(split_points=["transformer.wpe"]).validate_setup(2, model)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="cannot cut 6 layers, of which a stage may start at only 5, into 6") as e:
+        PipelineStrategy().validate_setup(6, model)  # 6 layers, but wte and wpe are one place to start
+    assert "\n" not in str(e.value)
 
 
 def test_the_disallowed_cut_is_not_the_model():

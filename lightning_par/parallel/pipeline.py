@@ -203,8 +203,10 @@ def stage_indices_for_rank(schedule: str, pp_rank: int, pp_size: int, virtual_st
 
 
 def validate_pipeline(schedule: str, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1,
-                      n_layers: int | None = None) -> int:
-    """Check a pipeline configuration; returns the total number of stages. One-line ``ValueError``s."""
+                      n_layers: int | None = None, of_layers: int | None = None) -> int:
+    """Check a pipeline configuration; returns the total number of stages. One-line ``ValueError``s.
+    ``n_layers``: the places a stage may start; ``of_layers``: the model's layers, when that differs
+    (``ParallelPlan.stage_starts``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
     if virtual_stages < 1 or n_microbatches < 1 or pp_size < 1:
@@ -223,7 +225,9 @@ def validate_pipeline(schedule: str, *, pp_size: int, n_microbatches: int, virtu
                          f"n_microbatches // pp = {rounds}, got n_microbatches={n_microbatches}")
     n_stages = pp_size * virtual_stages
     if n_layers is not None and n_layers < n_stages:
-        raise ValueError(f"cannot cut {n_layers} layers into {n_stages} pipeline stages "
+        where = (f"{of_layers} layers, of which a stage may start at only {n_layers}," if of_layers not in (None, n_layers)
+                 else f"{n_layers} layers")
+        raise ValueError(f"cannot cut {where} into {n_stages} pipeline stages "
                          f"(pp={pp_size} x virtual_stages={virtual_stages})")
     return n_stages
 

@@ -234,7 +234,8 @@ class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy)
             m = self.n_microbatches_for(dims.pp)
             n_stages = validate_pipeline(self.schedule, pp_size=dims.pp, n_microbatches=m,
                                          virtual_stages=self.virtual_stages,
-                                         n_layers=n_stage_starts(plan.layers, plan.stage_starts))
+                                         n_layers=n_stage_starts(plan.layers, plan.stage_starts),
+                                         of_layers=len(plan.layers))
             # its stages run its own forward: refuse one that cannot
             check_hf_pipeline(module, plan.layers, starts=plan.stage_starts)
             if self.split_points is not None:
