@@ -131,12 +131,13 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             observer = _JobObserver(self.procs, output_dir=getattr(trainer, "default_root_dir", None))
             observer.start()
-        ok = False
+        ok = shared = False
         try:
             _set_num_threads_if_needed(num_processes=self.num_processes)
             result = function(*args, **kwargs)
             ok = True
         except BaseException as e:
+            shared = bool(getattr(e, "all_ranks", False))
             # an error every rank raised at the same step (a non-finite loss, a stop on SIGTERM) is the
             # job's own; otherwise a child that died explains why rank 0's collective failed
             if observer is not None and not getattr(e, "all_ranks", False):
@@ -148,9 +149,10 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             raise
         finally:
             # our children (one job's ranks) end with the job; a user's script re-run by Lightning
-            # goes on after this fit (a second fit, a test run), so on success its children are left
-            # running and watched, as Lightning does
-            if observer is not None and (self.child_command is not None or not ok):
+            # goes on after this fit (a second fit, a test run), so on success -- or on an error every
+            # rank raised alike, such as a strategy's refusal of the model, which each rank's script
+            # handles as rank 0's does -- its children are left running and watched, as Lightning does
+            if observer is not None and (self.child_command is not None or not (ok or shared)):
                 observer.retire()
                 self.reap(_GRACE_OK_S if ok else _GRACE_FAILED_S)
         if observer is not None and observer.dead is not None:  # died after rank 0 had finished its work
