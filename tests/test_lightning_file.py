@@ -2,8 +2,8 @@
 
 Lightning's own ``DDPStrategy`` (2 ranks, a LightningModule written here, AdamW) trains 8 steps,
 saving its ordinary ``.ckpt`` file at step 4 (the end of epoch 1: a plain DataLoader has no
-mid-epoch position to restore). That file resumes under lp_ddp, lp_zero1, lp_zero2, lp_zero3 and
-lp_fsdp at 2 ranks: the model, AdamW's moments and the loop state are carried over, and steps 5-8
+mid-epoch position to restore). That file resumes under lp_ddp, lp_zero1, lp_zero2, lp_zero3,
+lp_fsdp and lp_pipeline (two stages, each rank holding half the layers) at 2 ranks: the model, AdamW's moments and the loop state are carried over, and steps 5-8
 equal Lightning's uninterrupted run (rtol 1e-5). A file from another model is one line.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESUMED = ["lp_ddp", "lp_zero1", "lp_zero2", "lp_zero3", "lp_fsdp"]
+RESUMED = ["lp_ddp", "lp_zero1", "lp_zero2", "lp_zero3", "lp_fsdp", "lp_pipeline"]
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys, warnings, logging
@@ -39,6 +39,13 @@ SCRIPT = textwrap.dedent('''
             super().__init__()
             self.save_hyperparameters()
             self.net = nn.Sequential(nn.Embedding(64, width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 64))
+
+        def parallel_plan(self):  # where a pipeline may cut it (the data-parallel strategies ignore it)
+            from lightning_par.parallel.contract import ParallelPlan
+            return ParallelPlan(layers=("net.0", "net.1", "net.2", "net.3"))
+
+        def loss_fn(self, logits, target):  # a pipeline's last stage computes the loss with it
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -70,7 +77,8 @@ SCRIPT = textwrap.dedent('''
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=ckpt is None)
         try:
-            trainer.fit(Net(width), DataLoader(data, batch_size=4), ckpt_path=ckpt)
+            batch = 8 if strategy == "lp_pipeline" else 4  # the same global batch: a pipeline has one data rank
+            trainer.fit(Net(width), DataLoader(data, batch_size=batch), ckpt_path=ckpt)
             out[f"{strategy}/{width}"] = losses.values
         except ValueError as e:
             out[f"{strategy}/{width}"] = {"error": str(e)}

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from lightning_par import ConfigError
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
 from lightning_par.parallel.init_trace import InitTrace
+from lightning_par.parallel.materialize import canonical_name
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
 from lightning_par.parallel.pretrained import transformers_from_pretrained_on_meta
@@ -224,6 +225,9 @@ class ParStrategyMixin:
         except ValueError as e:  # a user's own Trainer: the same one line as the app's pre-launch check
             raise ConfigError(str(e)) from None
         resolved = resolve_plan(module)
+        # the whole model's parameters in order, before a pipeline cut leaves this rank only its stages':
+        # what a Lightning file's position-keyed optimizer state is keyed by (lightning_file._by_name)
+        self.full_parameter_names = [canonical_name(n) for n, _ in module.named_parameters()]
         self.model_facts = {"n_params": sum(p.numel() for p in module.parameters()), "units_rule": resolved.units_rule,
                             "plan_source": resolved.source}
         if self.compile:

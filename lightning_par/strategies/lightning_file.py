@@ -14,8 +14,10 @@ layout (keyed by name, any sharding). The file is turned into what DCP would hav
   the full one, and loaded through the strategy's ``load_optimizer_state`` as a DCP load would be;
 - everything else (loops, callbacks, schedulers, hyper-parameters) goes back to Lightning as is.
 
-Every rank reads the file (memory-mapped: the pages each touches). A file whose optimizer cannot be
-mapped (a pipeline rank holds only its stages' parameters; groups that changed) is one line.
+Every rank reads the file (memory-mapped: the pages each touches). A pipeline rank holds only its
+stages' parameters: its positions come from the whole model's parameter order, recorded before the
+cut (``full_parameter_names``), which maps an optimizer of one group of every parameter. A file whose
+optimizer cannot be mapped (several groups under a pipeline; groups that changed) is one line.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def load_lightning_file(strategy: Any, path: Path, weights_only: bool | None) ->
     optimizers = [_unwrap(o) for o in strategy.optimizers]
     if saved and len(saved) != len(optimizers):
         raise CheckpointError(f"checkpoint file {path} holds {len(saved)} optimizer states; the run has {len(optimizers)}")
+    whole = getattr(strategy, "full_parameter_names", None)
     for opt, torch_state in zip(optimizers, saved):
-        full = _by_name(torch_state, opt, module, path)
+        full = _by_name(torch_state, opt, module, path, whole)
         template = strategy.optimizer_state_template(opt)
         _fill(template, full, path)
         strategy.load_optimizer_state(opt, template)
@@ -78,8 +81,9 @@ def load_lightning_file(strategy: Any, path: Path, weights_only: bool | None) ->
 
 
 def _by_name(torch_state: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module,
-             path: Path) -> dict[str, Any]:
-    """Torch's position-keyed optimizer state as the canonical name-keyed one (full tensors)."""
+             path: Path, whole: list[str] | None = None) -> dict[str, Any]:
+    """Torch's position-keyed optimizer state as the canonical name-keyed one (full tensors). ``whole``:
+    the whole model's parameter names in order, where this rank holds only a part (a pipeline stage)."""
     fqn = {id(p): canonical_fqn(n) for n, p in module.named_parameters()}
     saved_groups = torch_state["param_groups"]
     if all(isinstance(i, str) for g in saved_groups for i in g["params"]):
@@ -89,10 +93,13 @@ def _by_name(torch_state: dict[str, Any], optimizer: torch.optim.Optimizer, modu
         order = current
     elif len(saved_groups) == 1 and len(saved_groups[0]["params"]) == len(fqn):
         order = [[canonical_fqn(n) for n, _ in module.named_parameters()]]  # one group of every parameter
+    elif len(saved_groups) == 1 and whole and len(saved_groups[0]["params"]) == len(whole):
+        order = [list(whole)]  # one group of every parameter of the whole model; this rank holds some
     else:
         raise CheckpointError(f"checkpoint file {path}: its optimizer's {[len(g['params']) for g in saved_groups]} "
                               "parameters per group do not map onto this run's (a pipeline rank holds only its "
-                              "stages'; resume such a file under ddp, zero1-3 or fsdp)")
+                              "stages', which map only from one group of every parameter; resume such a file "
+                              "under ddp, zero1-3 or fsdp)")
     names = {i: n for g, group in zip(saved_groups, order) for i, n in zip(g["params"], group)}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": group} for g, group in zip(saved_groups, order)]
     return {"state": {names[i]: s for i, s in torch_state["state"].items()}, "param_groups": groups}
