@@ -108,8 +108,10 @@ class FileArena:
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     free = shutil.disk_usage(directory).free
-                    raise DiskFullError(e.errno, f"disk tier: no room for {self.nbytes / 2**20:.1f} MiB of {name} at "
-                                                 f"{directory} ({os.strerror(e.errno)}; {free / 2**20:.1f} MiB free)") from None
+                    full = DiskFullError(f"disk tier: no room for {self.nbytes / 2**20:.1f} MiB of {name} at "
+                                         f"{directory} ({os.strerror(e.errno)}; {free / 2**20:.1f} MiB free)")
+                    full.errno = e.errno
+                    raise full from None
                 raise
             self.map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
