@@ -161,3 +161,19 @@ def test_file_tier_releases_pages_and_keeps_data(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          preexec_fn=tiny, timeout=60)
     assert out.stdout.startswith(f"{DiskFullError.__name__} ") and "disk tier: no room for 1.0 MiB" in out.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_disk_tier_with_accumulation_checkpointing_clipping_and_a_schedule(tmp_path):
+    """2 ranks x 2 accumulated micro-batches (FSDP adds the second into the gradient files), activation
+    checkpointing (forward hooks fire again in recomputation), clipping (its norm reads the gradient
+    views) and a warm-up schedule (its LR reaches the chunked step): CPU offload's losses."""
+    out = tmp_path / "sweep"
+    run_cli(["-m", *QUICK, "trainer.max_steps=8", "strategy=zero3_offload", "trainer.devices=2",
+             "trainer.accumulate_grad_batches=2", "strategy.activation_checkpointing=true",
+             f"strategy.offload_dir=null,{tmp_path / 'offload'}", "scheduler=warmup_cosine",
+             "scheduler.warmup_steps=3", "trainer.gradient_clip_val=0.5", f"hydra.sweep.dir={out}"], out, timeout=600)
+    cpu, disk = (json.loads((out / str(i) / "summary.json").read_text()) for i in (0, 1))
+    assert len(disk["losses"]) == 8
+    np.testing.assert_allclose(disk["losses"], cpu["losses"], rtol=1e-6, atol=0)
