@@ -218,6 +218,11 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
         if device_memory is not None:
             line += "  yes" if r.peak <= device_memory * scale else "  NO"
         lines.append(line)
+    for r in rows:
+        if r.on_disk:
+            lines.append(f"{_row_name(r)}: disk tier (strategy.offload_dir): {r.on_disk / scale:.3f} {unit} of states in "
+                         f"files; offloaded = the {r.offloaded / scale:.3f} {unit} of them the optimizer step pages into "
+                         "host memory at a time")
     table = "\n".join(lines)
     if echo:
         print(table)
