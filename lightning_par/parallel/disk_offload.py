@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+from collections import OrderedDict
 import mmap
 import os
 import shutil
@@ -414,6 +415,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.inner = optimizer
         self.tier = tier
         self._share()
+        # hooks registered on this optimizer run once per step (the inner optimizer's run once per chunk)
+        self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lp-disk")
         known = set(tier.params)
         order = [p for g in optimizer.param_groups for p in g["params"]]
@@ -427,18 +431,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.defaults = self.inner.defaults
-
-    # torch.optim.Optimizer's own hooks machinery reads these
-    @property
-    def _optimizer_step_pre_hooks(self):  # type: ignore[override]
-        return self.inner._optimizer_step_pre_hooks
-
-    @property
-    def _optimizer_step_post_hooks(self):  # type: ignore[override]
-        return self.inner._optimizer_step_post_hooks
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"inner": self.inner}
 
     def __repr__(self) -> str:
         return f"PagedOptimizer({self.inner!r})"
@@ -459,6 +451,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for pre in list(self._optimizer_step_pre_hooks.values()):
+            pre(self, (), {})
         tier, state = self.tier, self.inner.state
         grads = tier.grads()
         dirty = set(tier.dirty)
@@ -491,6 +485,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 p.grad = g
             tier.dirty.clear()
         tier.release()
+        for post in list(self._optimizer_step_post_hooks.values()):
+            post(self, (), {})
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
