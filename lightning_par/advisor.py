@@ -52,6 +52,12 @@ MICRO_STEPS = (1, 2, 4, 8, 16)  # micro-batch sizes tried: the given one times t
 TIE = 0.02  # step times within 2% of the fastest are a tie, broken by the catalogue's preference
 
 
+#: where the advisor's disk-tier command puts the files (a node-local NVMe mount: edit to yours)
+NVME_DIR = "/local_nvme/lightning_par"
+#: share of the stated NVMe the disk tier may fill
+NVME_HEADROOM = 0.9
+
+
 @dataclass(frozen=True)
 class Cluster:
     nodes: int = 1
@@ -63,6 +69,7 @@ class Cluster:
     efficiency: float = 0.5  # fraction of the peak a training step's matmuls reach
     host_link_gbs: float = 25.0  # device <-> host GB/s per device (offload)
     host_memory_gb: float | None = None  # GiB of host memory per node; None: not stated (not checked)
+    nvme_gb: float | None = None  # GiB of local disk (NVMe) per node for the disk tier; None: no disk tier
 
     @property
     def devices(self) -> int:
@@ -87,6 +94,7 @@ class Candidate:
     steps: int = 1  # forwards per optimizer step: accumulated, or the pipeline's micro-batches
     host_bytes: int = 0  # offloaded states per node
     preference: int = 0
+    disk_bytes: int = 0  # the disk tier's files per node
 
     @property
     def seconds(self) -> float:
@@ -100,6 +108,7 @@ class Candidate:
             extra = ", ".join([f"ep{w.split('=', 1)[1]}" for w in o if w.startswith("strategy.ep=")] + [
                 w.split("=", 1)[1] for w in o if w.startswith("strategy.data_parallel=")])
         flags = [name for key, name in (("tiling", "tiled"), ("model.optimizer=adamw8bit", "8-bit"),
+                                        ("strategy.offload_dir=", "disk"),
                                         ("strategy.sequence_parallel=true", "sp"),
                                         ("strategy.schedule=interleaved_1f1b", "interleaved"),
                                         ("strategy.param_dtype=bf16", "bf16-gather"))
@@ -237,13 +246,15 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
                      compute_bytes=act_bytes, recompute=ask.checkpointing, schedule=lo.schedule, micro_batches=steps,
                      virtual_stages=lo.virtual_stages, offloaded_params=offloaded, accumulate=steps)
     host = mem.offloaded * min(n, cluster.devices_per_node)
-    fits = mem.peak <= ask.budget and (ask.host_budget is None or host <= ask.host_budget)
+    disk = mem.on_disk * min(n, cluster.devices_per_node)
+    fits = mem.peak <= ask.budget and (ask.host_budget is None or host <= ask.host_budget) and (
+        not disk or (cluster.nvme_gb is not None and disk <= cluster.nvme_gb * GIB * NVME_HEADROOM))
     nodes = [f"trainer.devices={min(n, cluster.devices_per_node)}"] + (
         [f"trainer.num_nodes={cluster.nodes}"] if n > cluster.devices_per_node else [])
     ckpt = ["strategy.activation_checkpointing=true"] if ask.checkpointing else []
     return Candidate(e.name, nodes + [*option.overrides, *ckpt, *batch_words], mem, comm_model.total_bytes(comm),
                      comm_model.predicted_seconds(comm, {**mesh, "world": n}, bandwidth), fits, ask.global_batch,
-                     time, micro, steps, host, e.preference)
+                     time, micro, steps, host, e.preference, disk)
 
 
 def _variants(e: StrategyEntry, option: Option, precision: str) -> list[Option]:
@@ -294,6 +305,17 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
         reasons.append(f"the whole step needs {gib(whole.peak)} at its peak ({whole.moment}): "
                        f"more than one device ({gib(budget)} usable)")
     fitting = [c for c in cands if c.fits]
+    if not fitting and cluster.nvme_gb is not None:  # the disk tier: the same training, states in files
+        disk = _disk_offload(fleet, ask, micro_batch_size)
+        cands += disk
+        fitting = [c for c in disk if c.fits]
+        if fitting:
+            c = min(fitting, key=lambda c: c.disk_bytes)
+            reasons.append(f"CPU offload's states do not fit the host memory stated ({cluster.host_memory_gb:g} GiB per "
+                           f"node); in files on the nodes' NVMe (zero3_offload strategy.offload_dir) they take "
+                           f"{c.disk_bytes / GIB:.1f} GiB of its {cluster.nvme_gb:g} GiB, and the host holds "
+                           f"{c.host_bytes / GIB:.1f} GiB of them at a time (the optimizer step's chunks); point "
+                           f"strategy.offload_dir at the NVMe")
     if not fitting and optimizer in ("adamw", "adam"):  # 8-bit AdamW states (torchao) before tiling
         eight = _priced_plans(fleet, ask, micro_batch_size, eight_bit=True)
         cands += eight
@@ -363,12 +385,31 @@ def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[st
     if "model.optimizer=adamw8bit" in best.overrides and best.strategy == "single":
         out.append(f"with 8-bit AdamW states (torchao AdamW8bit) the step fits one device "
                    f"({best.memory.peak / GIB:.1f} GiB at its peak): no sharding or offload needed")
-    if best.host_bytes:
+    if best.disk_bytes:
+        out.append(f"{best.label} keeps its states in files at strategy.offload_dir: {best.disk_bytes / GIB:.1f} GiB "
+                   f"per node on the NVMe ({cluster.nvme_gb:g} GiB stated), {best.host_bytes / GIB:.1f} GiB of them "
+                   "in host memory at a time")
+    elif best.host_bytes:
         stated = (f"within the {cluster.host_memory_gb:g} GiB stated" if cluster.host_memory_gb is not None
                   else "host memory was not stated (--host-memory): check the nodes have it")
         out.append(f"{best.label} keeps its states in host memory: {best.host_bytes / GIB:.1f} GiB per node, {stated}")
     if best.time.bubble:
         out.append(f"pipeline bubble: {100 * t.bubble / t.total:.0f}% of the step ({best.steps} micro-batches)")
+    return out
+
+
+def _disk_offload(fleet: Fleet, ask: _Ask, micro: int) -> list[Candidate]:
+    """ZeRO-3 offload's plans with the disk tier: the offloaded states in files at ``NVME_DIR``
+    (``parallel/disk_offload.py``), host memory holding the optimizer step's chunks."""
+    e = next(e for e in CATALOG if e.name == "zero3_offload")
+    out = []
+    for option in e.advise(fleet):
+        disk = Option((*option.overrides, f"strategy.offload_dir={NVME_DIR}"), {**option.layout, "disk_offload": True},
+                      option.optimizer)
+        priced = [c for k in MICRO_STEPS if (c := _price(e, disk, micro * k, ask)) is not None]
+        fitting = [c for c in priced if c.fits]
+        if priced:
+            out.append(_best(fitting) if fitting else min(priced, key=lambda c: c.memory.peak))
     return out
 
 

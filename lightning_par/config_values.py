@@ -285,6 +285,7 @@ TABLE: dict[str, Spec] = {
     "strategy.bucket_cap_mb": number(0, lo_open=True).note("MB per gradient bucket"),
     "strategy.reshard_after_forward": BOOL | NULL,
     "strategy.cpu_offload": BOOL,
+    "strategy.offload_chunk_mb": number(0, lo_open=True).note("disk tier: parameter MB per chunk of the optimizer step"),
     "strategy.activation_checkpointing": BOOL,
     "strategy.sync_batchnorm": BOOL,
     "strategy.gradient_as_bucket_view": BOOL,
@@ -348,6 +349,7 @@ CHECKED_ELSEWHERE: dict[str, str] = {
     "strategy.tiling": "parallel.tiling (module path: tiles >= 2)",
     "callbacks.guard.nonfinite": "callbacks.guard.RunGuard (NONFINITE_ACTIONS)",
     "callbacks.checkpoint.dirpath": "train.check_writable",
+    "strategy.offload_dir": "Zero3OffloadStrategy.validate_setup (disk_offload.check_offload_dir: created, writable, room)",
     "callbacks.export.max_shard_size": "export.size_bytes (5GB, 500MB, bytes)",
 }
 

@@ -25,7 +25,14 @@ from typing import Any
 
 from lightning_par.costs.activations import Shape
 from lightning_par.costs.peak import Layout, step_peak, zero2_staged
-from lightning_par.costs.states import OPTIMIZERS, PRECISIONS, bytes_per_param, check, optimizer_state_bytes
+from lightning_par.costs.states import (
+    OPTIMIZERS,
+    PRECISIONS,
+    bytes_per_param,
+    check,
+    disk_tier_resident,
+    optimizer_state_bytes,
+)
 from lightning_par.dtypes import dtype_bytes, parse_dtype
 from lightning_par.strategies.catalog import CATALOG, entry
 
@@ -52,6 +59,8 @@ class MemoryEstimate:
     moment: str = ""
     mesh: dict[str, int] = field(default_factory=dict)
     micro_batch_size: int | None = None
+    #: bytes in the disk tier's files (zero3_offload with ``offload_dir``); ``offloaded`` is then the host's part
+    on_disk: int = 0
 
     @property
     def total(self) -> int:
@@ -90,7 +99,7 @@ def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-
         r = step_peak(shape, lay, micro_batch_size=micro_batch_size, precision=precision, optimizer=optimizer,
                       checkpointing=checkpointing, device=device)
         return MemoryEstimate(lay.strategy, r.params, r.grads, r.optimizer_state, r.offloaded, r.activations,
-                              r.transient, r.peak, r.moment, dict(lay.mesh), micro_batch_size)
+                              r.transient, r.peak, r.moment, dict(lay.mesh), micro_batch_size, r.on_disk)
     if lay.ep > 1:
         raise ValueError("expert parallelism needs the model's shape (which parameters are experts), not a bare count")
     return _states_only(int(n_params), lay, precision, optimizer, device)
@@ -104,8 +113,10 @@ def _states_only(psi: int, lay: Layout, precision: str, optimizer: str, device: 
     grads = g * (shard if lay.grads in ("zero2", "fsdp") else local)
     opt = optimizer_state_bytes(shard if lay.opt_sharded else local, optimizer, precision)
     if lay.cpu_offload:
-        return MemoryEstimate(lay.strategy, 0, 0, 0, int(params + grads + opt), 0, 0, 0, "states only",
-                              dict(lay.mesh))
+        host, on_disk = int(params + grads + opt), 0
+        if lay.disk_offload:  # no shapes: chunks of the step's size
+            on_disk, host = host, disk_tier_resident(host, shard, 0)
+        return MemoryEstimate(lay.strategy, 0, 0, 0, host, 0, 0, 0, "states only", dict(lay.mesh), on_disk=on_disk)
     temp = opt / 2 if device == "cpu" and "adam" in optimizer else 0
     if lay.grads == "zero2":  # the buckets staged for reduce-scatter (no shapes: parameters of a bucket's size)
         temp = max(temp, zero2_staged(lay, g, local, 0), min(2 * lay.bucket_bytes, p * shard))
@@ -151,10 +162,12 @@ def estimate_traced(traced: Any, *, devices: int, strategy: str, layout_: Layout
     if lay.grads == "fsdp" and shard > 1:
         gb = lay.gather_bytes or traced.param_bytes
         gathered = gb * (traced.root + traced.largest_unit * (1 + lay.prefetch))
-    host = 0.0
+    host = on_disk = 0.0
     if lay.cpu_offload:
         host, params, opt, step_opt, grads_step = params + opt + grads_step, 0.0, 0.0, 0.0, 0.0
         grads_bwd = unit_grads
+        if lay.disk_offload:
+            on_disk, host = host, disk_tier_resident(host, traced.n_params / shard, traced.largest_tensor)
     rest = bwd.buffers + bwd.other
     moments = {"backward": params + opt + grads_bwd + bwd.activations + bwd.temp + rest + gathered,
                "optimizer step": params + step_opt + grads_step + extra + step.temp + rest}
@@ -163,7 +176,7 @@ def estimate_traced(traced: Any, *, devices: int, strategy: str, layout_: Layout
     states = int(params + grads_step + opt)
     return MemoryEstimate(lay.strategy, int(params), int(grads_step), int(opt), int(host), int(bwd.activations),
                           max(0, peak - states - int(bwd.activations)), peak, f"{moment} (traced)", dict(lay.mesh),
-                          traced.micro_batch)
+                          traced.micro_batch, int(on_disk))
 
 
 def estimate_all(model: Any, strategies: tuple[str, ...] = STRATEGIES, **kwargs: Any) -> list[MemoryEstimate]:
@@ -205,6 +218,11 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
         if device_memory is not None:
             line += "  yes" if r.peak <= device_memory * scale else "  NO"
         lines.append(line)
+    for r in rows:
+        if r.on_disk:
+            lines.append(f"{_row_name(r)}: disk tier (strategy.offload_dir): {r.on_disk / scale:.3f} {unit} of states in "
+                         f"files; offloaded = the {r.offloaded / scale:.3f} {unit} of them the optimizer step pages into "
+                         "host memory at a time")
     table = "\n".join(lines)
     if echo:
         print(table)
@@ -254,6 +272,7 @@ def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int],
     pd = getattr(strategy, "param_dtype", None)  # FSDP mixed precision: bf16 gathers move 2 bytes per parameter
     n_micro = getattr(strategy, "_n_microbatches", None)
     return replace(base, cpu_offload=base.cpu_offload or bool(getattr(strategy, "cpu_offload", False)),
+                   disk_offload=bool(getattr(strategy, "offload_dir", None)),
                    prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
                    gather_bytes=dtype_bytes(parse_dtype(pd, "param_dtype")) if pd else None,
                    schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,

@@ -336,3 +336,35 @@ def test_8bit_states_are_weighed_on_many_devices(answers):
     (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
     assert command.startswith("python run.py strategy=fsdp ") and "model.optimizer=adamw8bit" in command, out
     assert "states in 8 bits" in out and "fits one device" not in out
+
+
+def test_disk_tier_when_only_nvme_holds_the_offloaded_states():
+    """30B on one 80 GB device with 256 GiB of host memory per node: nothing fits on the device (8-bit
+    states neither), CPU offload's 452 GiB of states do not fit the host; with --nvme 2000 the disk tier
+    does (the states in files, the host holding the optimizer step's chunks), and its command names
+    strategy.offload_dir. Without --nvme: nothing fits."""
+    args = ["--params", "30e9", "--layers", "48", "--hidden", "7168", "--devices-per-node", "1",
+            "--host-memory", "256"]
+    out = advisor([*args, "--nvme", "2000"])
+    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
+    assert command.startswith("python run.py strategy=zero3_offload ") and "strategy.offload_dir=" in command, out
+    assert "zero3_offload disk" in out and "do not fit the host memory stated (256 GiB per node)" in out, out
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()) as plain:
+        main(args)
+    assert e.value.code == 2 and "Recommended: nothing fits" in plain.getvalue()
+    # too small a disk: the disk tier does not fit either
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as small:
+        main([*args, "--nvme", "100"])
+    assert "Recommended: nothing fits" in small.getvalue()
+
+
+def test_estimator_splits_the_disk_tier_between_host_and_disk():
+    """zero3_offload with offload_dir: ``on_disk`` holds the offloaded states, ``offloaded`` (host) only the
+    optimizer step's three chunks (at least the largest parameter each); the device side is unchanged."""
+    from lightning_par.estimate import estimate
+
+    cpu = estimate("gpt2_large", devices=1, strategy="zero3_offload", precision="32-true", device="cpu")
+    disk = estimate("gpt2_large", devices=1, strategy="zero3_offload", precision="32-true", device="cpu",
+                    disk_offload=True)
+    assert disk.on_disk == cpu.offloaded and cpu.on_disk == 0 and disk.peak == cpu.peak
+    assert disk.offloaded < cpu.offloaded / 4

@@ -16,7 +16,8 @@ The peak of a step is the largest of (docs/cost_model.md):
   ``.grad``s and the flat copy it reduce-scatters from).
 
 Offloaded states (``zero3_offload`` / ``fsdp cpu_offload``) live in host memory: the device holds
-the gathered units, one unit's gradient and the activations.
+the gathered units, one unit's gradient and the activations. With the disk tier (``offload_dir``) they
+live in files (``on_disk``) and host memory holds the optimizer step's chunks (``states.disk_tier_resident``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_par.costs import activations as act
-from lightning_par.costs.states import bytes_per_param, optimizer_state_bytes
+from lightning_par.costs.states import bytes_per_param, disk_tier_resident, optimizer_state_bytes
 # what a rank holds is declared by the strategy catalogue; this module prices it
 from lightning_par.strategies.catalog import GRAD_MODES, Layout  # noqa: F401 -- re-exported
 
@@ -37,6 +38,7 @@ class Peak:
     activations: int
     peak: int
     moment: str  # where the peak falls
+    on_disk: int = 0  # the disk tier's files (``offloaded`` is then what its step pages into host memory)
 
     @property
     def transient(self) -> int:
@@ -151,7 +153,11 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     moments["optimizer step"] = base + grads_steady + temp
     moment = max(moments, key=moments.get)
     act_bytes = saved_all
-    return Peak(int(params), int(grads_steady), int(opt), int(host), int(act_bytes), int(moments[moment]), moment)
+    on_disk = 0
+    if lay.disk_offload and host:
+        on_disk, host = host, disk_tier_resident(host, psi_shard, largest)
+    return Peak(int(params), int(grads_steady), int(opt), int(host), int(act_bytes), int(moments[moment]), moment,
+                int(on_disk))
 
 
 def layer_params(shape: act.Shape, u: dict, lay: Layout) -> tuple[float, float, float]:

@@ -75,3 +75,19 @@ def optimizer_state_bytes(n_params: int, optimizer: str, precision: str = "32-tr
             total += 2 * numel * p
         total += master * numel
     return total
+
+
+#: parameter bytes per chunk of the disk tier's paged optimizer step (``Zero3OffloadStrategy.offload_chunk_mb``)
+DISK_CHUNK_BYTES = 64 * 2**20
+
+
+def disk_tier_resident(states_bytes: float, elems: float, largest_elems: float,
+                       chunk_bytes: float = DISK_CHUNK_BYTES, param_bytes: float = 4) -> int:
+    """Host bytes the disk tier (``parallel/disk_offload.py``) keeps of ``states_bytes`` of offloaded
+    states over ``elems`` parameters: its optimizer step pages in one chunk (``chunk_bytes`` of
+    parameters, at least the largest parameter) while it prefetches the next and releases the one
+    before, each with its parameters, gradients and optimizer state. The rest stays on disk."""
+    if elems <= 0 or states_bytes <= 0:
+        return 0
+    chunk = max(chunk_bytes / param_bytes, largest_elems)
+    return int(min(states_bytes, 3 * chunk * states_bytes / elems))

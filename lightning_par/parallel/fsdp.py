@@ -127,6 +127,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     prefetch: int = 1,
     ignored_params: set[nn.Parameter] | None = None,
+    pin_memory: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2: each unit in ``units``, then the root. Returns ``model``.
 
@@ -145,6 +146,8 @@ def apply_fsdp(
             prefetch, and FSDP2's implicit one-unit backward prefetch, which cannot be disabled.
         ignored_params: parameters FSDP leaves as they are (``fully_shard``'s ``ignored_params``):
             an MoE layer's experts when their only data axis is the ep axis they are split over.
+        pin_memory: with ``cpu_offload`` on CUDA, page-lock the host shards (FSDP2 copies a shard into
+            pinned memory otherwise); False for the disk tier, whose shards are views of files.
     """
     if prefetch < 0:
         raise ValueError(f"apply_fsdp: prefetch must be >= 0, got {prefetch}")
@@ -154,7 +157,7 @@ def apply_fsdp(
         mesh=dp_mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+        offload_policy=CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
         ignored_params=ignored_params,
     )
     # children before parents: a unit nested in another must be sharded first so it owns its params

@@ -89,7 +89,8 @@ def default_init(module: nn.Module) -> None:
 def materialize(module: nn.Module, *, device: torch.device, templates: dict[str, nn.Module], seed: int,
                 init_fn: InitFn | None = None, param_device: torch.device | None = None,
                 trace: InitTrace | None = None, refs: dict[str, TensorRef] | None = None,
-                weights: WeightSources | None = None) -> int:
+                weights: WeightSources | None = None, home: Callable[[nn.Module], None] | None = None,
+                after_group: Callable[[], None] | None = None) -> int:
     """Allocate ``module``'s local tensors on ``device`` and fill them from the seeded group inits.
 
     ``module`` may be sharded (FSDP2, DTensor TP) or hold only some groups (a pipeline rank);
@@ -118,6 +119,8 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
                 if buf is not None:
                     sub._buffers[name] = torch.empty_like(buf, device=device)
     retie(module, ties)  # to_empty gives each use of a shared parameter its own tensor
+    if home is not None:  # before any value is written: the anonymous pages to_empty reserved are never touched
+        home(module)
     targets: dict[str, torch.Tensor] = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         targets[canonical_name(name)] = t
@@ -144,6 +147,8 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
                     filled.add(piece)
         if len(loaded) == len(names):  # every tensor of the group came from the checkpoint: nothing to initialise
             _release_free_memory()  # the slices read were temporaries: hand their pages back (see below)
+            if after_group is not None:
+                after_group()
             continue
         host = template.to_empty(device="cpu")
         for t in [*host.parameters(), *host.buffers()]:
@@ -176,6 +181,8 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
         host = full = None  # drop the last references before trimming
         templates[path] = template.to("meta")  # release the host copy
         _release_free_memory()
+        if after_group is not None:
+            after_group()
     missing = sorted(set(targets) - filled)
     if missing:
         raise RuntimeError(f"materialize: no init group covers {missing[:3]}; its tensors would stay uninitialised")

@@ -69,6 +69,9 @@ class FullyShard:
     reduce_dtype: torch.dtype | None = None
     cpu_offload: bool = False
     prefetch: int = 1
+    #: the disk tier of the offload (``disk_offload.FileTier``): the parameter shards are homed in its
+    #: files when materialised, which it releases page by page (None: host memory)
+    disk_tier: Any = None
 
 
 @dataclass(frozen=True)
@@ -176,12 +179,18 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                 units = sorted({*units, *stage_tiles}, key=lambda path: order[id(stage.get_submodule(path))])
             apply_fsdp(stage, mesh=fs.mesh, units=units, reshard_after_forward=fs.reshard_after_forward,
                        param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
-                       prefetch=fs.prefetch, ignored_params=ignored)
+                       prefetch=fs.prefetch, ignored_params=ignored, pin_memory=fs.disk_tier is None)
+    tier = spec.fully_shard.disk_tier if spec.fully_shard is not None else None
     if templates is not None:                                                            # materialise
         offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn,
                         param_device=torch.device("cpu") if offload else None, trace=spec.init_trace, refs=refs,
-                        weights=weights)
+                        weights=weights, home=tier.home_parameters if tier is not None else None,
+                        after_group=tier.release if tier is not None else None)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
+    elif tier is not None:  # a model built with real tensors: its shards are copied into the files
+        tier.home_parameters(module, copy=True)
+    if tier is not None:
+        tier.attach(module)
     return stages
 

@@ -56,6 +56,8 @@ class Layout:
     opt_sharded: bool = False
     grads: str = "accumulate"
     cpu_offload: bool = False
+    #: the offloaded states in files (zero3_offload's ``offload_dir``): host memory holds the step's chunks
+    disk_offload: bool = False
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallelism: each rank holds 1/ep of every MoE layer's routed experts

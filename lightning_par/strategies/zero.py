@@ -17,6 +17,7 @@ Offload exists only where it is real: zero1 and zero2 take no offload option.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +27,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from lightning_par.parallel.disk_offload import FileTier, PagedOptimizer, check_offload_dir, disk_bytes_needed
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.parallel.zero import COLLECTIVES, Zero2Optimizer, make_zero1_optimizer
 from lightning_par.strategies.base import ShardedStrategy
@@ -218,10 +220,89 @@ class Zero3OffloadStrategy(Zero3Strategy):
     memory; each unit's parameters are copied to the device for its forward/backward, gradients are
     copied back, and the optimizer step runs on the host (FSDP2's ``CPUOffloadPolicy``).
 
+    With ``offload_dir`` they live in files there instead (the disk tier, ZeRO-Infinity's NVMe tier:
+    ``parallel/disk_offload.py``), host memory holding only the pages in use: a unit's shards while
+    it is gathered, a parameter's gradient while FSDP accumulates it, a chunk of the optimizer step.
+
     Args:
         activation_checkpointing: recompute each block's activations in backward.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
+        offload_dir: directory for the disk tier's files (created if missing; needs room for this
+            node's ranks' parameters, gradients and optimizer state); None keeps them in host memory.
+        offload_chunk_mb: parameter bytes per chunk of the disk tier's paged optimizer step.
     """
 
     strategy_name = "lp_zero3_offload"
     cpu_offload = True
+
+    def __init__(self, activation_checkpointing: bool = False, param_dtype: str | None = None,
+                 reduce_dtype: str | None = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False,
+                 offload_dir: str | None = None, offload_chunk_mb: float = 64.0) -> None:
+        super().__init__(activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
+                         reduce_dtype=reduce_dtype, process_group_backend=process_group_backend, timeout=timeout,
+                         sync_batchnorm=sync_batchnorm)
+        self.offload_dir = str(offload_dir) if offload_dir not in (None, "") else None
+        self.offload_chunk_mb = offload_chunk_mb
+        self.disk_tier: FileTier | None = None
+
+    def disk_bytes_per_rank(self, module: nn.Module, world_size: int, state_per_param: int = 8) -> int:
+        """The disk tier's files of one rank: fp32 shards of the parameters and gradients, and
+        ``state_per_param`` bytes of optimizer state per parameter (AdamW's m and v: 8)."""
+        n = sum(p.numel() for p in module.parameters())
+        per_rank = -(-n // max(1, world_size))
+        return disk_bytes_needed(4 * per_rank, 4 * per_rank, state_per_param * per_rank)
+
+    def validate_setup(self, world_size: int, module: nn.Module) -> None:
+        super().validate_setup(world_size, module)
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_chunk_mb, (int, float)) or not self.offload_chunk_mb > 0:
+                raise ValueError(f"strategy.offload_chunk_mb={self.offload_chunk_mb!r}: expected a number > 0")
+            nodes = max(1, int(getattr(self, "num_nodes", 1) or 1))
+            ranks_here = -(-world_size // nodes)
+            check_offload_dir(self.offload_dir, ranks_here * self.disk_bytes_per_rank(module, world_size))
+
+    def techniques(self, module: nn.Module, resolved: Any) -> dict:
+        out = super().techniques(module, resolved)
+        if self.offload_dir is not None:
+            directory = check_offload_dir(self.offload_dir)
+            self.disk_tier = FileTier(directory, rank=self.global_rank, chunk_mb=self.offload_chunk_mb)
+            out["fully_shard"] = replace(out["fully_shard"], disk_tier=self.disk_tier)
+        return out
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        tier = self.disk_tier
+        if tier is None:
+            return
+        tier.home_gradients()
+        for i, opt in enumerate(list(self.optimizers)):
+            self._replace_optimizer(i, PagedOptimizer(opt, tier))
+
+    # checkpoints: the template's state must exist (in the files) before DCP loads into it
+    def optimizer_state_template(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, PagedOptimizer):
+            optimizer.initialize_state()
+        return super().optimizer_state_template(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        meta = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.disk_tier is not None:
+            self.disk_tier.check_parameters_homed()
+            self.disk_tier.release()
+        return meta
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.disk_tier is not None:
+            self.disk_tier.release()  # DCP read every page of the files
+
+    def teardown(self) -> None:
+        for opt in self.optimizers:
+            inner = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+            if isinstance(inner, PagedOptimizer):
+                inner.close()
+        super().teardown()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+            self.disk_tier = None

@@ -1,0 +1,179 @@
+"""The disk tier of ZeRO-3 offload (``zero3_offload strategy.offload_dir=DIR``, parallel/disk_offload.py).
+
+One shared multirun (gpt_tiny, 12 AdamW steps, a checkpoint at step 6): zero3_offload with and without
+the disk tier at 1 and 2 ranks. The disk tier must give CPU offload's losses (rtol 1e-6; measured:
+equal to the bit, as the same single-tensor AdamW runs on the same values, chunk by chunk), resume from
+its own checkpoint with the uninterrupted run's losses, and a full disk must stop the run with one line
+and error.json, leaving the checkpoint it resumed from as it was and no file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import QUICK, ROOT, run_cli
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def sweep_runs(tmp_path_factory) -> tuple[Path, dict[tuple[int, bool], dict], Path]:
+    """(sweep dir, {(ranks, disk): summary}, offload dir): one multirun of the four jobs."""
+    root = tmp_path_factory.mktemp("disk")
+    offload = root / "offload"
+    out = root / "sweep"
+    run_cli(["-m", *QUICK, "strategy=zero3_offload", "trainer.devices=1,2", f"strategy.offload_dir=null,{offload}",
+             "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=6", "strategy.offload_chunk_mb=0.1",
+             f"hydra.sweep.dir={out}"], out, timeout=900)
+    runs = {}
+    for job in sorted(p for p in out.iterdir() if p.is_dir() and p.name.isdigit()):
+        summary = json.loads((job / "summary.json").read_text())
+        overrides = (job / ".hydra" / "overrides.yaml").read_text()
+        runs[(summary["world_size"], "offload_dir=null" not in overrides)] = {**summary, "dir": str(job)}
+    return out, runs, offload
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_disk_tier_matches_cpu_offload(sweep_runs, ranks):
+    _, runs, offload = sweep_runs
+    disk, cpu = runs[(ranks, True)], runs[(ranks, False)]
+    assert len(disk["losses"]) == len(cpu["losses"]) == STEPS
+    np.testing.assert_allclose(disk["losses"], cpu["losses"], rtol=1e-6, atol=0)
+    for mem in disk["memory"]:  # the states are counted where they live: the files (offloaded bytes)
+        assert mem["offloaded"] >= mem["params"] + mem["grads"] + mem["optimizer_state"] - 4096 * 3
+        assert mem["optimizer_state"] >= 2 * mem["params"] - 4096  # AdamW's m and v, in their files
+    assert offload.is_dir() and not any(offload.iterdir())  # the files were unlinked when mapped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_disk_tier_resumes_with_the_uninterrupted_losses(sweep_runs, tmp_path):
+    _, runs, offload = sweep_runs
+    ref = runs[(2, True)]
+    ckpt = Path(ref["dir"]) / "checkpoints" / "step000006.ckpt"
+    assert (ckpt / ".metadata").is_file()
+    run_dir = tmp_path / "resumed"
+    run_cli([*QUICK, "strategy=zero3_offload", "trainer.devices=2", f"strategy.offload_dir={offload}",
+             "strategy.offload_chunk_mb=0.1", f"ckpt_path={ckpt}"], run_dir, timeout=300)
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    got = np.asarray(resumed["losses"])[-(STEPS - 6):]
+    np.testing.assert_allclose(got, np.asarray(ref["losses"])[6:], rtol=1e-6, atol=0)
+    # and a checkpoint of the CPU offload run resumes under the disk tier at one rank
+    cpu_ckpt = Path(runs[(1, False)]["dir"]) / "checkpoints" / "step000006.ckpt"
+    run_dir = tmp_path / "from_cpu"
+    run_cli([*QUICK, "strategy=zero3_offload", f"strategy.offload_dir={offload}", f"ckpt_path={cpu_ckpt}"],
+            run_dir, timeout=300)
+    got = np.asarray(json.loads((run_dir / "summary.json").read_text())["losses"])[-(STEPS - 6):]
+    np.testing.assert_allclose(got, np.asarray(runs[(1, False)]["losses"])[6:], rtol=1e-6, atol=0)
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_full_disk_is_one_line_and_leaves_the_checkpoint_whole(sweep_runs, tmp_path):
+    """A file size limit in the ranks (RLIMIT_FSIZE, inherited by the ranks the app starts) makes the
+    disk tier's preallocation fail as a full disk would (EFBIG; ENOSPC is the same path): one line,
+    error.json, a non-zero exit; the checkpoint the run was resuming from is unchanged and still loads."""
+    from lightning_par.strategies.checkpoint import check_checkpoint
+
+    _, runs, _ = sweep_runs
+    ckpt = Path(runs[(2, True)]["dir"]) / "checkpoints" / "step000006.ckpt"
+    before = _digest(ckpt)
+    offload = tmp_path / "small"
+    run_dir = tmp_path / "full"
+    limit = 128 * 2**10  # bytes per file: below gpt_tiny's parameter file (about 290 KiB per rank at 2 ranks)
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    cmd = [sys.executable, str(ROOT / "run.py"), *QUICK, "strategy=zero3_offload", "trainer.devices=2",
+           f"strategy.offload_dir={offload}", f"ckpt_path={ckpt}", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=small_files)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert lines and all("disk tier: no room for" in ln and str(offload) in ln for ln in lines), proc.stderr[-3000:]
+    error = json.loads((run_dir / "error.json").read_text())
+    assert "disk tier: no room for" in error["error"] and "\n" not in error["error"]
+    assert not (run_dir / "summary.json").exists()
+    assert _digest(ckpt) == before  # the state on disk: untouched
+    check_checkpoint(ckpt)
+    assert not any(offload.iterdir())  # nothing half-written left at the offload directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_offload_dir_checked_before_launch(tmp_path):
+    """Not a directory, and too little room for the model's states: one line before any rank starts."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    proc = run_cli([*QUICK, "strategy=zero3_offload", f"strategy.offload_dir={a_file}/sub"], tmp_path / "r1",
+                   timeout=120, check=False)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: strategy.offload_dir={a_file}/sub: cannot create the directory")
+    # gpt_7b's states at 16 bytes per parameter need more than this disk has free (else: skip)
+    need = 16 * 6.6e9
+    if shutil.disk_usage(tmp_path).free > need:
+        pytest.skip("the disk has room for gpt_7b's states")
+    proc = run_cli(["strategy=zero3_offload", "model=gpt_7b", f"strategy.offload_dir={tmp_path / 'off'}",
+                    "check_memory=false", "trainer.max_steps=1"], tmp_path / "r2", timeout=180, check=False)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "the disk tier needs" in lines[0] and "GiB are free" in lines[0], lines
+
+
+def test_file_tier_releases_pages_and_keeps_data(tmp_path):
+    """A view written, released (MADV_DONTNEED) and read again holds what was written."""
+    from lightning_par.parallel.disk_offload import DiskFullError, FileArena
+
+    arena = FileArena(tmp_path, "a.bin", 3 * 2**20)
+    assert not any(tmp_path.iterdir())  # unlinked at once
+    t = torch.empty(2**18)
+    arena.point(t, arena.alloc(t.numel() * 4))
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+    arena.release()
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
+    arena.close()
+
+    def tiny() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, resource.RLIM_INFINITY))
+
+    code = ("import sys; from pathlib import Path; from lightning_par.parallel.disk_offload import FileArena\n"
+            "try:\n    FileArena(Path(sys.argv[1]), 'b.bin', 2**20)\nexcept OSError as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         preexec_fn=tiny, timeout=60)
+    assert out.stdout.startswith(f"{DiskFullError.__name__} ") and "disk tier: no room for 1.0 MiB" in out.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_disk_tier_with_accumulation_checkpointing_clipping_and_a_schedule(tmp_path):
+    """2 ranks x 2 accumulated micro-batches (FSDP adds the second into the gradient files), activation
+    checkpointing (forward hooks fire again in recomputation), clipping (its norm reads the gradient
+    views) and a warm-up schedule (its LR reaches the chunked step): CPU offload's losses."""
+    out = tmp_path / "sweep"
+    run_cli(["-m", *QUICK, "trainer.max_steps=8", "strategy=zero3_offload", "trainer.devices=2",
+             "trainer.accumulate_grad_batches=2", "strategy.activation_checkpointing=true",
+             f"strategy.offload_dir=null,{tmp_path / 'offload'}", "scheduler=warmup_cosine",
+             "scheduler.warmup_steps=3", "trainer.gradient_clip_val=0.5", f"hydra.sweep.dir={out}"], out, timeout=600)
+    cpu, disk = (json.loads((out / str(i) / "summary.json").read_text()) for i in (0, 1))
+    assert len(disk["losses"]) == 8
+    np.testing.assert_allclose(disk["losses"], cpu["losses"], rtol=1e-6, atol=0)
