@@ -238,3 +238,15 @@ def test_every_family_under_every_strategy_matches_single_or_is_refused_in_one_l
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index("<!-- MATRIX_START -->"), readme.index("<!-- MATRIX_END -->")
     assert readme[start:end].split("\n", 1)[1].strip() == table, "README's family matrix differs from the measured one"
+
+
+if __name__ == "__main__":  # a few cells only: python -m tests.test_family_matrix gpt2:lp_tensor_parallel opt:...
+    import tempfile
+
+    wanted = [tuple(arg.split(":", 1)) for arg in sys.argv[1:]]
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = run_script(Path(tmp), 1, sorted({(fam, "lp_single") for fam, _ in wanted}))
+        got = run_script(Path(tmp), 2, wanted)
+    for fam, s in wanted:
+        cell = got[f"{fam}/{s}"]
+        print(f"  {fam:10s} {s:20s} {classify(cell, ref[f'{fam}/lp_single']['losses'])[:200]:10s} {cell.get('error', '')[:150]}")

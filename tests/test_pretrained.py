@@ -41,9 +41,9 @@ def runs(fam: str, strategy: str) -> bool:
     return strategy in MOE_CELLS if fam == "mixtral" else strategy != "lp_expert_parallel"
 
 VOCAB, SEQ, BATCH = 300, 16, 8
-# transformers declares neither a tensor-parallel nor a pipeline plan for GPT-2 (fused Conv1D qkv):
-# these are refused in one line before the first step (issue 19 tracks packed styles)
-REFUSED = {("gpt2", s) for s in ("lp_tensor_parallel", "lp_pipeline", "lp_fsdp_tp", "lp_3d")}
+# transformers declares no pipeline plan for GPT-2: these are refused in one line before the first step
+# (its tensor-parallel plan is derived, parallel/hf_tp_derive.py: packed c_attn, so tensor_parallel and fsdp_tp run)
+REFUSED = {("gpt2", s) for s in ("lp_pipeline", "lp_3d")}
 
 MAKE = textwrap.dedent('''
     import sys, torch

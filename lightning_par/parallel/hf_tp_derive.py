@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ def derived_tp_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, int]]:
             if type(module).__name__ != cls:
                 raise ValueError(f"{type(model).__name__} ({mt}): {path} is a {type(module).__name__}, but the derived "
                                  f"tensor-parallel plan splits a {cls} there")
-            if attr is not None and getattr(module, attr, None) != mult * hidden:
+            split = any(isinstance(p, DTensor) for p in module.parameters(recurse=False))  # widths now local
+            if attr is not None and not split and getattr(module, attr, None) != mult * hidden:
                 raise ValueError(f"{type(model).__name__} ({mt}): {path}.{attr}={getattr(module, attr, None)}, not "
                                  f"{mult} x hidden ({mult * hidden}) as the derived tensor-parallel plan assumes")
     return dict(spec.plan), spec.divisible(cfg)
