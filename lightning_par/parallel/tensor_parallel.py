@@ -194,6 +194,26 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _PartSlices(torch.autograd.Function):
+    """A replicated packed bias -> this rank's slice of each of its parts (``b_q[r]|b_k[r]|b_v[r]``); in
+    backward the slices' gradients are put back in place and summed over the ranks, so every rank holds
+    the whole (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, b: torch.Tensor, parts: int, world: int, rank: int, group: object) -> torch.Tensor:  # noqa: ANN001
+        ctx.shape, ctx.parts, ctx.world, ctx.rank, ctx.group = b.shape, parts, world, rank, group
+        return torch.cat([c.chunk(world)[rank] for c in b.chunk(parts)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+        full = grad.new_zeros(ctx.shape)
+        pieces = grad.chunk(ctx.parts)
+        for c, piece in zip(full.chunk(ctx.parts), pieces):
+            c.chunk(ctx.world)[ctx.rank].copy_(piece)
+        torch.distributed.all_reduce(full, group=ctx.group)
+        return full, None, None, None, None
+
+
 def _copy_to_tp(x: object, group: object) -> object:  # noqa: ANN001
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad and torch.is_grad_enabled():
         return _CopyToTP.apply(x, group)
@@ -226,7 +246,10 @@ def param_placement(style: str, param: torch.Tensor, *, owner: nn.Module | None 
     parts = int(arg or 2) if base.startswith("packed_") else 1
     col = base in ("colwise", "packed_colwise")
     if param.ndim == 1:
-        if not col:
+        if not col or (parts > 1 and owner is not None):
+            # a packed module's bias stays replicated and is sliced per part in forward (``_PartSlices``):
+            # FSDP2 shards dim 0 too, and composes its shard with a TP ``Shard(0)`` but not with a
+            # ``_StridedShard(0)`` (its declared layout would then differ from the data it holds)
             return Replicate()
         dim = 0
     elif owner is not None:
@@ -319,6 +342,11 @@ class LocalParallel(ParallelStyle):
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple:
             originals = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
             local = {n: p.to_local() for n, p in originals.items()}
+            if kind == "packed_colwise":  # the replicated bias: this rank's slice of each part
+                for n, p in originals.items():
+                    if p.ndim == 1 and p.placements[0].is_replicate():
+                        local[n] = _PartSlices.apply(local[n], int(self.arg or 2), mesh.size(),
+                                                     mesh.get_local_rank(), group)
             bias = None
             if row and "bias" in local:  # add it once, after the reduction
                 bias, local["bias"] = local["bias"], torch.zeros_like(local["bias"])
