@@ -571,3 +571,40 @@ def _retie_split(model: nn.Module, ties: list[tuple[str, str]]) -> None:
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
     """``torch``'s ``loss_parallel()`` when enabled, else a no-op; wrap the loss *and* its backward."""
     return _torch_loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def _packed(x: object) -> bool:
+    return isinstance(x, DTensor) and isinstance(x.placements[-1], _StridedShard)
+
+
+def gather_packed(obj: object) -> object:
+    """``obj`` (a state dict, nested) with every packed tensor-parallel tensor replicated over the tp axis.
+
+    A rank's share of a packed weight (``_StridedShard``: its slice of every part) is several blocks of
+    the full tensor, while DCP's planner describes one block per rank and refuses the save ("overlapping
+    chunks"). Checkpoints therefore hold such tensors replicated over tp -- the same canonical tensor,
+    written once -- and ``scatter_packed`` slices them back on load. Collective: every rank calls it on
+    the same structure."""
+    if isinstance(obj, dict):
+        return {k: gather_packed(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [gather_packed(v) for v in obj]
+    if _packed(obj):
+        return obj.redistribute(obj.device_mesh, [*obj.placements[:-1], Replicate()])
+    return obj
+
+
+def scatter_packed(loaded: object, original: object) -> object:
+    """Undo ``gather_packed``: copy each loaded replicated tensor's slices into the packed tensor it stood
+    for (in place) and return the structure with the originals back in their places."""
+    if isinstance(original, dict):
+        return {k: scatter_packed(loaded[k], v) for k, v in original.items()}
+    if isinstance(original, list):
+        return [scatter_packed(a, b) for a, b in zip(loaded, original)]
+    if _packed(original):
+        piece = distribute_tensor(loaded.to_local(), original.device_mesh, original.placements, src_data_rank=None) \
+            if original.device_mesh.ndim == 1 else loaded.redistribute(original.device_mesh, original.placements)
+        with torch.no_grad():
+            original.to_local().copy_(piece.to_local())
+        return original
+    return loaded
