@@ -75,7 +75,9 @@ def test_plan_of_gpt2():
     m = built("gpt2", tie_word_embeddings=True)
     plan = m.parallel_plan()
     assert plan.blocks == ("net.transformer.h.0", "net.transformer.h.1", "net.transformer.h.2")
-    assert plan.tp_plan == {} and plan.layers == ()  # GPT-2 declares neither (Conv1D, learned positions)
+    assert plan.layers == ()  # GPT-2 declares no pipeline plan (Conv1D, learned positions)
+    # nor a tensor-parallel one: it is derived (hf_tp_derive.py), q|k|v packed in the fused c_attn
+    assert plan.tp_plan["net.transformer.h.*.attn.c_attn"] == "packed_colwise:3" and not plan.tp_refusal
     assert tied_parameters(m) == [("net.transformer.wte.weight", "net.lm_head.weight")]
     assert declared_ties(m) == [("net.transformer.wte.weight", "net.lm_head.weight")]
 

@@ -8,9 +8,10 @@ Duck-typed: nothing here imports ``transformers``; a model is recognised by its 
   only: FSDP units and activation-checkpointing units.
 - ``tp_plan``: the model's own tensor-parallel plan (``model._tp_plan``: the head's entries plus the
   config's ``base_model_tp_plan`` under ``base_model_prefix``), with Hugging Face's style names
-  translated to ours (``HF_STYLES``). A plan holding a style we do not implement (packed, local,
-  expert-parallel styles) is dropped whole -- half a plan would compute wrong results -- so tensor
-  parallelism then refuses the model as having no plan. A family declaring none gets the plan
+  translated to ours (``HF_STYLES``: every style transformers 5.24's plans use, packed, expert and local
+  ones included). A plan holding a style we do not know (one a later transformers adds) is dropped
+  whole -- half a plan would compute wrong results -- so tensor parallelism then refuses the model as
+  having no plan; rules naming modules this config does not build are skipped, as transformers does. A family declaring none gets the plan
   ``hf_tp_derive.py`` derives (GPT-2, OPT), under the same verified-family gate.
 - ``tp_divisible``: attention heads, key/value heads, MLP size and vocabulary from the config.
 - ``layers``: the pipeline cut points from ``base_model_pp_plan`` (the base model's parts in forward
