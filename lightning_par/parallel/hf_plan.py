@@ -145,6 +145,8 @@ def hf_tp_divisible(model: nn.Module) -> dict[str, int]:
     cfg = getattr(model, "config", None)
     keys = {"num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads",
             "intermediate_size": "MLP size", "n_inner": "MLP size", "vocab_size": "vocab_size"}
+    if "moe_tp_experts" in _full_tp_plan(model).values():  # every expert split too
+        keys.update(moe_intermediate_size="expert MLP size", shared_expert_intermediate_size="shared expert MLP size")
     out: dict[str, int] = {}
     for key, label in keys.items():
         value = getattr(cfg, key, None)
