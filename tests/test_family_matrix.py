@@ -139,6 +139,9 @@ SCRIPT = textwrap.dedent('''
     def make(name):  # "lp_expert_parallel:fsdp": the registered strategy with data_parallel=fsdp
         if ":" not in name:
             return name
+        if name == "lp_tensor_parallel:ep2":  # tp=2 x ep=2: expert parallelism owns the experts, TP the rest
+            from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+            return TensorParallelStrategy(tp=2, ep=2)
         from lightning_par.strategies.expert_parallel import ExpertParallelStrategy
         return ExpertParallelStrategy(data_parallel=name.split(":")[1])
 
@@ -153,6 +156,7 @@ SCRIPT = textwrap.dedent('''
                             enable_model_summary=False, sync_batchnorm=family == "resnet")
         data = TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
         dp = 1 if strategy in ("lp_single", "lp_tensor_parallel", "lp_pipeline") else devices  # ep is a data axis
+        dp = devices // 2 if strategy in ("lp_fsdp_tp", "lp_tensor_parallel:ep2") else dp  # tp=2
         try:  # the global batch is 8 sequences under every strategy
             trainer.fit(LM(family), DataLoader(data, batch_size=8 // dp, shuffle=False))
         except ValueError as e:  # a refusal (ConfigError is a ValueError) comes before the first step, on every
@@ -232,8 +236,44 @@ def test_every_family_under_every_strategy_matches_single_or_is_refused_in_one_l
         assert outcome[(fam, "lp_pipeline")] == "parity", (fam, reasons[(fam, "lp_pipeline")])
     for fam in MOE:
         assert outcome[(fam, "lp_expert_parallel")] == outcome[(fam, "lp_expert_parallel:fsdp")] == "parity", fam
-    for fam in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt_neox"):
+    for fam in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt_neox", "gpt2", "opt", "mixtral",
+                "qwen2_moe"):
         assert outcome[(fam, "lp_tensor_parallel")] == "parity", (fam, reasons[(fam, "lp_tensor_parallel")])
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index("<!-- MATRIX_START -->"), readme.index("<!-- MATRIX_END -->")
     assert readme[start:end].split("\n", 1)[1].strip() == table, "README's family matrix differs from the measured one"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_derived_and_fused_expert_tp_plans_match_single(tmp_path: Path) -> None:
+    """The tensor-parallel cells issue 19 added, on their own: GPT-2 (tied; plan derived, packed ``c_attn``)
+    and OPT (tied; derived) and Mixtral and Qwen2-MoE (their own plans: ``packed_colwise`` experts,
+    ``moe_tp_experts``) under lp_tensor_parallel at 2 ranks, GPT-2 under lp_fsdp_tp at 4 (dp=2 x tp=2)
+    and Mixtral at tp=2 x ep=2 (expert parallelism splits the experts, tensor parallelism leaves them
+    whole: never both), each step's loss within rtol 1e-5 of lp_single's; Falcon (fused
+    ``query_key_value``, no plan derived) refused in one line naming it."""
+    fams = ["gpt2", "opt", "mixtral", "qwen2_moe", "falcon"]
+    ref = run_script(tmp_path, 1, [(fam, "lp_single") for fam in fams])
+    got = run_script(tmp_path, 2, [(fam, "lp_tensor_parallel") for fam in fams])
+    got.update(run_script(tmp_path, 4, [("gpt2", "lp_fsdp_tp"), ("mixtral", "lp_tensor_parallel:ep2")]))
+    for key, cell in got.items():
+        fam = key.split("/")[0]
+        outcome = classify(cell, ref[f"{fam}/lp_single"]["losses"])
+        print(f"  {key:28s} {outcome:10s} {cell.get('error', '')[:150]}")
+        if fam == "falcon":
+            assert outcome == "refused" and "(falcon)" in cell["error"], cell
+        else:
+            assert outcome == "parity", (key, outcome)
+
+
+if __name__ == "__main__":  # a few cells only: python -m tests.test_family_matrix gpt2:lp_tensor_parallel opt:...
+    import tempfile
+
+    wanted = [tuple(arg.split(":", 1)) for arg in sys.argv[1:]]
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = run_script(Path(tmp), 1, sorted({(fam, "lp_single") for fam, _ in wanted}))
+        got = run_script(Path(tmp), 2, wanted)
+    for fam, s in wanted:
+        cell = got[f"{fam}/{s}"]
+        print(f"  {fam:10s} {s:20s} {classify(cell, ref[f'{fam}/lp_single']['losses'])[:200]:10s} {cell.get('error', '')[:150]}")

@@ -1,9 +1,10 @@
-"""Every causal-LM family in transformers' registry that declares a tensor-parallel plan, at tp=2.
+"""Every causal-LM family in transformers' registry that declares a tensor-parallel plan (or gets one
+derived, ``parallel/hf_tp_derive.py``: GPT-2, OPT), at tp=2.
 
 The families come from transformers itself (``models/hf_registry.py``), each built from a tiny
 config of its own. For each: the same model, twice on each of 2 gloo ranks -- one copy whole, one
 split by its own plan translated to ours (``parallel/hf_plan.py``, the code the tensor_parallel
-strategy runs) -- trained 4 SGD steps on the same tokens. The outcome is one of:
+strategy runs) -- trained 4 SGD steps on the same tokens, dropout off. The outcome is one of:
 
 - ``parity``: every step's loss within rtol 1e-5 of the whole model's, and every parameter after
   the steps (gathered) within rtol 1e-4 / atol 1e-6 -- so a gradient left unreduced shows;
@@ -47,12 +48,18 @@ def _one(model_type: str, mesh) -> tuple[str, str]:  # noqa: ANN001
 
     try:
         config = tiny_config(model_type)
+        for key, value in config.to_dict().items():  # no dropout: the two copies draw different masks
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if n > MAX_PARAMS:  # parts the tiny sizes do not reach (a vision tower at its full size)
             return "unbuildable", f"{n / 1e6:.0f}M parameters at the tiny sizes"
         torch.manual_seed(0)
         whole = AutoModelForCausalLM.from_config(config).float()
+        for module in whole.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     except Exception as e:  # noqa: BLE001 - transformers' own refusal of the tiny sizes
         return "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     split = copy.deepcopy(whole)
@@ -129,11 +136,21 @@ def families_with_plan() -> list[str]:
     return out
 
 
+def families_derived() -> list[str]:
+    """Registry families that declare no plan but get one derived (``parallel/hf_tp_derive.py``)."""
+    from lightning_par.models.hf_registry import causal_lm_types
+    from lightning_par.parallel.hf_tp_derive import DERIVED
+
+    return [mt for mt in causal_lm_types() if mt in DERIVED]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_every_family_with_a_tp_plan_runs_or_is_refused_in_one_line() -> None:
-    families = families_with_plan()
-    assert len(families) >= 50  # the registry is read, not a hand-picked list
+    declared = families_with_plan()
+    assert len(declared) >= 50  # the registry is read, not a hand-picked list
+    derived = [mt for mt in families_derived() if mt not in declared]
+    families = declared + derived
     results = run_distributed(_walk, 2, families, timeout=1100)
     r0, r1 = results
     assert r0.keys() == r1.keys()
@@ -171,7 +188,8 @@ def test_every_family_with_a_tp_plan_runs_or_is_refused_in_one_line() -> None:
     assert m, "README lacks the tensor-parallel registry sentence"
     buildable = len(families) - counts["unbuildable"]
     assert (int(m.group(1)), int(m.group(2))) == (counts["parity"], buildable), (counts, buildable)
-    assert f"{len(families)} families declare a plan" in readme, len(families)
+    assert f"{len(declared)} families declare a plan and {len(derived)} get a derived one" in readme, \
+        (len(declared), len(derived))
 
 
 def _tied(rank: int, world: int, families: list[str]) -> dict[str, tuple[bool, float, float]]:
@@ -226,3 +244,70 @@ def test_tied_embeddings_stay_one_sharded_weight_under_tp() -> None:
     for mt, (tied, dev, emb) in result.items():
         assert tied, mt
         assert dev < 1e-5 and emb < 1e-5, (mt, dev, emb)
+
+
+def _checkpoint(rank: int, world: int, families: list[str], root: str) -> dict[str, list[str]]:
+    import logging
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.models.hf_registry import tiny_config
+    from lightning_par.parallel.hf_plan import hf_tp_divisible, hf_tp_plan
+    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel, gather_packed, scatter_packed
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for mt in families:
+        torch.manual_seed(0)
+        whole = AutoModelForCausalLM.from_config(tiny_config(mt))
+        with torch.no_grad():  # biases too: a packed bias saved in the wrong order shows
+            for p in whole.parameters():
+                p.add_(torch.randn_like(p))
+        saved, loaded = copy.deepcopy(whole), copy.deepcopy(whole)
+        with torch.no_grad():
+            for p in loaded.parameters():
+                p.zero_()
+        for model in (saved, loaded):
+            apply_tensor_parallel(model, tp_mesh=mesh, plan=hf_tp_plan(model), divisible=hf_tp_divisible(model))
+        dcp.save(gather_packed(saved.state_dict()), checkpoint_id=f"{root}/{mt}")
+        template = loaded.state_dict()
+        staged = gather_packed(template)
+        dcp.load(staged, checkpoint_id=f"{root}/{mt}")
+        scatter_packed(staged, template)
+        want = whole.state_dict()
+        out[mt] = [k for k, v in loaded.state_dict().items()
+                   if not torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, want[k])]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_packed_weights_checkpoint_as_the_whole_model(tmp_path: Path) -> None:
+    """Packed weights (GPT-2's ``c_attn``: q|k|v; Mixtral's experts' ``gate_up_proj``) are ``_StridedShard``
+    DTensors, which DCP cannot describe; a checkpoint holds them replicated over tp: saved at tp=2, loaded
+    back at tp=2 every tensor equals the unsplit model's, and the consolidated file holds the unsplit
+    model's tensors (``dcp_to_torch_save``), so any strategy reads it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.models.hf_registry import tiny_config
+
+    families = ["gpt2", "mixtral"]
+    result = run_distributed(_checkpoint, 2, families, str(tmp_path), timeout=240)
+    for rank_result in result:
+        assert rank_result == {mt: [] for mt in families}, rank_result
+    for mt in families:
+        dcp_to_torch_save(tmp_path / mt, tmp_path / f"{mt}.pt")
+        full = torch.load(tmp_path / f"{mt}.pt")
+        torch.manual_seed(0)
+        whole = AutoModelForCausalLM.from_config(tiny_config(mt))
+        with torch.no_grad():
+            for p in whole.parameters():
+                p.add_(torch.randn_like(p))
+        for k, v in whole.state_dict().items():
+            assert torch.equal(full[k], v), (mt, k)

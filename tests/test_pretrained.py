@@ -41,9 +41,9 @@ def runs(fam: str, strategy: str) -> bool:
     return strategy in MOE_CELLS if fam == "mixtral" else strategy != "lp_expert_parallel"
 
 VOCAB, SEQ, BATCH = 300, 16, 8
-# transformers declares no tensor-parallel plan for GPT-2 (fused Conv1D qkv): these are refused in one
-# line before the first step (issue 19 tracks packed styles); its pipeline plan is derived (hf_pp_derive)
-REFUSED = {("gpt2", s) for s in ("lp_tensor_parallel", "lp_fsdp_tp", "lp_3d")}
+# transformers declares neither plan for GPT-2: both are derived (parallel/hf_tp_derive.py: packed c_attn;
+# parallel/hf_pp_derive.py: read off its forward), so it runs under every strategy
+REFUSED: set[tuple[str, str]] = set()
 
 MAKE = textwrap.dedent('''
     import sys, torch

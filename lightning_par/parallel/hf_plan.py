@@ -8,9 +8,11 @@ Duck-typed: nothing here imports ``transformers``; a model is recognised by its 
   only: FSDP units and activation-checkpointing units.
 - ``tp_plan``: the model's own tensor-parallel plan (``model._tp_plan``: the head's entries plus the
   config's ``base_model_tp_plan`` under ``base_model_prefix``), with Hugging Face's style names
-  translated to ours (``HF_STYLES``). A plan holding a style we do not implement (packed, local,
-  expert-parallel styles) is dropped whole -- half a plan would compute wrong results -- so tensor
-  parallelism then refuses the model as having no plan.
+  translated to ours (``HF_STYLES``: every style transformers 5.24's plans use, packed, expert and local
+  ones included). A plan holding a style we do not know (one a later transformers adds) is dropped
+  whole -- half a plan would compute wrong results -- so tensor parallelism then refuses the model as
+  having no plan; rules naming modules this config does not build are skipped, as transformers does. A family declaring none gets the plan
+  ``hf_tp_derive.py`` derives (GPT-2, OPT), under the same verified-family gate.
 - ``tp_divisible``: attention heads, key/value heads, MLP size and vocabulary from the config.
 - ``layers``: the pipeline cut points from ``base_model_pp_plan`` (the base model's parts in forward
   order, a ``ModuleList`` expanded to its layers) followed by the head's ``_pp_plan``. They say where
@@ -34,6 +36,7 @@ from torch import nn
 
 from lightning_par.parallel.ties import retie, tied_parameters  # noqa: F401  (re-exported)
 from lightning_par.parallel.contract import ParallelPlan
+from lightning_par.parallel.hf_tp_derive import derived_tp_plan
 from lightning_par.parallel.hf_tp_verified import tp_unverified_reason
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,13 @@ HF_STYLES = {
     "replicated_with_grad_allreduce": "replicate_local_heads",  # q/k norms on the local heads
     "sequence_parallel": "sequence_parallel",
     "replicate": "replicate",
+    "packed_colwise": "packed_colwise",  # fused gate|up (experts' stacks, dim -2): each rank its slice of each part
+    "packed_rowwise": "packed_rowwise",  # fused weights packed along the input dim (Llama-4's experts)
+    "moe_tp_experts": "moe_experts",  # every expert split: local forward, the partial outputs summed
+    "moe_identity_expert": "moe_identity",  # an identity expert inside such a module: input / tp
+    "local_params": "local_params",  # a module using a split parameter itself (attention sinks)
+    "all_reduce": "all_reduce",  # a module's partial output summed
+    "mla_kv_a_proj": "mla_kv_a_proj",  # MLA's replicated kv_a projection: rotary part's gradient all-reduced
 }
 _PATH_TAG = "_lp_hf_path"  # survives copy.deepcopy: tells the init function where a module copy belongs
 
@@ -96,21 +106,49 @@ def _full_tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The model's tensor-parallel plan in our style names; ``ValueError`` naming a style we lack."""
+    """The model's tensor-parallel plan in our style names; ``ValueError`` naming a style we lack. A
+    family that declares none gets the plan ``hf_tp_derive`` derives for it (GPT-2, OPT), if any."""
+    declared = _full_tp_plan(model)
+    if not declared:
+        return derived_tp_plan(model)[0]
     out = {}
-    for pattern, style in _full_tp_plan(model).items():
+    for pattern, style in declared.items():
+        if not _names_something(model, pattern):
+            continue  # a rule for modules this config does not build (dense layers of an all-MoE stack, a
+            # LoRA-less q_proj): transformers skips it too (``verify_tp_plan`` only warns)
         if style not in HF_STYLES:
             raise ValueError(f"{type(model).__name__}'s tensor-parallel plan uses style {style!r} at {pattern!r}, "
                              f"which lightning_par does not implement (supported: {', '.join(HF_STYLES)})")
-        out[pattern] = HF_STYLES[style]
+        ours = HF_STYLES[style]
+        if ours == "mla_kv_a_proj":  # the rotary width the split needs, from the config as transformers reads it
+            cfg = getattr(model, "config", None)
+            cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            rope = getattr(cfg, "qk_rope_head_dim", None)
+            if not isinstance(rope, int):
+                raise ValueError(f"{type(model).__name__}'s tensor-parallel plan uses style 'mla_kv_a_proj' at "
+                                 f"{pattern!r}, but its config has no qk_rope_head_dim")
+            ours = f"mla_kv_a_proj:{rope}"
+        out[pattern] = ours
     return out
+
+
+def _names_something(model: nn.Module, pattern: str) -> bool:
+    """Whether ``pattern`` matches a module or a parameter of ``model``."""
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    return any(_matches(pattern, n) for n in names)
 
 
 def hf_tp_divisible(model: nn.Module) -> dict[str, int]:
     """Sizes a tensor-parallel degree must divide, from the config (those it defines)."""
+    if not _full_tp_plan(model):
+        derived = derived_tp_plan(model)[1]
+        if derived:
+            return derived
     cfg = getattr(model, "config", None)
     keys = {"num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads",
             "intermediate_size": "MLP size", "n_inner": "MLP size", "vocab_size": "vocab_size"}
+    if "moe_tp_experts" in _full_tp_plan(model).values():  # every expert split too
+        keys.update(moe_intermediate_size="expert MLP size", shared_expert_intermediate_size="shared expert MLP size")
     out: dict[str, int] = {}
     for key, label in keys.items():
         value = getattr(cfg, key, None)

@@ -6,7 +6,9 @@ plan at tp=2 and compares 4 SGD steps (losses and every parameter) with the unsp
 is exactly the families that passed, and the test fails when the two disagree. A family outside it
 is refused under tensor parallelism in one line: a plan that names only some of the modules a
 family's forward needs split (a per-head norm applied after a transpose, a convolution in a Mamba
-mixer) would otherwise train a different model without a word. Measured with transformers 5.24.
+mixer) would otherwise train a different model without a word. Families that declare no plan but get
+one derived (``hf_tp_derive.py``: GPT-2, OPT) are measured and gated the same way. Measured with
+transformers 5.24.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ from __future__ import annotations
 MEASURED_WITH = "5.24."
 
 VERIFIED_TP_FAMILIES = frozenset({
-    "arcee", "codegen", "cohere", "cohere2", "cwm", "diffllama", "dory", "ernie4_5", "exaone", "exaone4", "gemma",
-    "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "gptj", "granite", "helium", "hrm_text", "hunyuan_v1_dense",
-    "hyperclovax", "internlm3", "iquestcoder", "jais2", "lfm2", "llama", "ministral", "ministral3", "mistral",
-    "nanochat", "nemotron", "olmo2", "phi", "phi3", "qwen2", "qwen3", "smollm3", "starcoder2", "vaultgemma",
+    "afmoe", "arcee", "aria_text", "beam", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v2",
+    "diffllama", "dory", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint",
+    "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gptj", "granite",
+    "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "laguna", "lfm2",
+    "llama", "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
+    "ministral3", "mistral", "mixtral", "nanochat", "nemotron", "olmo2", "olmoe", "opt", "phi", "phi3", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma"
 })
 
 

@@ -59,6 +59,7 @@ from lightning_par.parallel.hf_plan import find_hf_model
 from lightning_par.strategies.checkpoint_errors import CheckpointError, _cause
 from lightning_par.strategies.lightning_file import check_lightning_file, load_lightning_file
 from lightning_par.parallel.materialize import canonical_name
+from lightning_par.parallel.tensor_parallel import gather_packed, scatter_packed
 
 #: the model's key in the DCP payload: Lightning's sharded layout (its consolidate tool renames it to state_dict)
 MODEL_KEY = "model"
@@ -269,7 +270,7 @@ class DistributedCheckpointMixin:
             torch.save(plain(checkpoint), path / _METADATA_FILENAME)
         self.barrier()
         # DCP writes ``.metadata`` last, after every rank's shards: its presence marks a complete checkpoint
-        dcp.save(states, checkpoint_id=path)
+        dcp.save(gather_packed(states), checkpoint_id=path)  # packed TP weights replicated over tp
         self.barrier()
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -289,11 +290,13 @@ class DistributedCheckpointMixin:
         templates: dict[str, Any] = {model_key: get_model_state_dict(module)}
         for i, opt in enumerate(optimizers):
             templates[f"optimizer_{i}"] = self.optimizer_state_template(opt)
+        loadable = gather_packed(templates)  # as saved: packed TP weights replicated over tp
         try:
-            dcp.load(templates, checkpoint_id=path)
+            dcp.load(loadable, checkpoint_id=path)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
             raise CheckpointError(f"cannot load checkpoint {path} (damaged shard files, or a model it does not fit): "
                                   f"{_cause(e)}") from None
+        templates = scatter_packed(loadable, templates)
         set_model_state_dict(module, templates[model_key],
                              options=StateDictOptions(strict=getattr(module, "strict_loading", True)))
         for i, opt in enumerate(optimizers):
