@@ -318,7 +318,6 @@ PARITY = {  # strategy -> devices
     "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3_offload": 2, "fsdp": 2, "hsdp": 4,
     "tensor_parallel": 2, "pipeline": 2, "fsdp_tp": 4, "3d": 4,  # 3d: pp=2 x tp=2 (dp=1)
 }
-MODEL_PARALLEL = ("tensor_parallel", "pipeline", "fsdp_tp", "3d")
 _runs: dict[tuple, dict] = {}
 
 

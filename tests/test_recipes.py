@@ -1,7 +1,7 @@
 """The README's recipes run as written (issue 20, part 4), scaled down to CPU and 2 or 4 ranks.
 
 The test makes the assets a user would bring, offline: a BPE tokenizer trained here with the
-``tokenizers`` library on local text, a tiny Llama and a tiny Qwen2 saved with ``save_pretrained``
+``tokenizers`` library on local text, a tiny Llama and a tiny GPT-2 saved with ``save_pretrained``
 together with that tokenizer (as a model directory usually holds both), and a jsonl corpus. Then
 every command of each ```bash block of the README's "Recipes" section runs in that directory, in
 order, exactly as written; each must exit 0, and the exported models must load in transformers.
@@ -40,16 +40,19 @@ ASSETS = textwrap.dedent('''
     tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    for name, arch in (("llama", "llama"), ("qwen", "qwen2")):
+    # a Llama (untied, grouped-query attention) and a GPT-2 (tied embeddings, fused Conv1D c_attn, learned
+    # positions: transformers declares neither a tensor-parallel nor a pipeline plan for it)
+    extra = {"llama": dict(num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False),
+             "gpt2": dict(n_inner=128, tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
+    for name, arch in (("llama", "llama"), ("gpt2", "gpt2")):
         torch.manual_seed(0)
         AutoConfig.for_model(arch).save_pretrained(f"{out}/{name}")
         fast.save_pretrained(f"{out}/{name}")
-        tok = AutoTokenizer.from_pretrained(f"{out}/{name}")  # as the model type's class loads it (Qwen2 adds a token)
+        tok = AutoTokenizer.from_pretrained(f"{out}/{name}")  # as the model type's class loads it
         cfg = AutoConfig.for_model(arch, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=128,
                                    vocab_size=-(-len(tok) // 64) * 64,  # padded, as real checkpoints are (tp divides it)
                                    max_position_embeddings=128, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+                                   eos_token_id=tok.eos_token_id, **extra[name])
         AutoModelForCausalLM.from_config(cfg).save_pretrained(f"{out}/{name}")
 ''')
 
@@ -90,7 +93,7 @@ def test_readme_recipes_run_as_written(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for exported in ("finetune/hf", "qwen-continued"):
+    for exported in ("finetune/hf", "gpt2-continued"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / exported)
         tokenizer = AutoTokenizer.from_pretrained(tmp_path / exported)  # the run's tokenizer travelled with it
         assert len(tokenizer) <= model.config.vocab_size < len(tokenizer) + 64
