@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tiles", type=int, default=4)
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--cases", nargs="+", default=["fsdp", "zero3_offload"])
     a = ap.parse_args()
     common = ["model=gpt_small", f"+model.n_embd={a.hidden}", f"+model.n_layer={a.layers}",
@@ -70,7 +70,8 @@ def main() -> None:
               "check_memory=false"]
     print(f"GPT hidden {a.hidden}, {a.layers} layers, vocabulary 50304, every large layer in {a.tiles} tiles; "
           f"32-true, bf16 gathers, fp32 reduce; {a.devices} ranks; CPU")
-    print(f"{'strategy':16s} {'allocator':>22s} {'estimate (MiB)':>15s} {'RSS added (MiB)':>16s} {'estimate / RSS':>15s}")
+    print(f"{'strategy':16s} {'allocator':>22s} {'estimate (MiB)':>15s} {'RSS added (MiB)':>16s} {'estimate / RSS':>15s} "
+          f"{'step s':>8s}")
     with tempfile.TemporaryDirectory() as tmp:
         for case in a.cases:
             est, fit = Path(tmp) / f"{case}-est", Path(tmp) / f"{case}-fit"
@@ -81,10 +82,11 @@ def main() -> None:
             for allocator, env in (("glibc default", {}), ("mmap threshold 1 MiB", {"MALLOC_MMAP_THRESHOLD_": "1048576"})):
                 run([f"strategy={case}", *common, f"trainer.max_steps={a.steps}", "trainer.limit_val_batches=0",
                      "callbacks.throughput.warmup_steps=1"], fit, **env)
-                memory = json.loads((fit / "summary.json").read_text())["memory"]
+                summary = json.loads((fit / "summary.json").read_text())
+                memory = summary["memory"]
                 added = max(m["peak_rss"] - m["rss_before_setup"] for m in memory)
                 print(f"{case:16s} {allocator:>22s} {predicted / 2**20:15.1f} {added / 2**20:16.1f} "
-                      f"{predicted / added:15.3f}")
+                      f"{predicted / added:15.3f} {summary['step_time_s']:8.2f}")
 
 
 if __name__ == "__main__":
