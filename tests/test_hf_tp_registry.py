@@ -256,7 +256,8 @@ def _checkpoint(rank: int, world: int, families: list[str], root: str) -> dict[s
 
     from lightning_par.models.hf_registry import tiny_config
     from lightning_par.parallel.hf_plan import hf_tp_divisible, hf_tp_plan
-    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel, gather_packed, scatter_packed
+    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_par.parallel.tp_styles import gather_packed, scatter_packed
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)

@@ -41,7 +41,7 @@ from lightning_par.parallel.hf_tp_verified import tp_unverified_reason
 
 log = logging.getLogger(__name__)
 
-# Hugging Face tensor-parallel style -> ours (lightning_par.parallel.tensor_parallel.STYLES)
+# Hugging Face tensor-parallel style -> ours (lightning_par.parallel.tp_styles.STYLES)
 # (transformers' own list: ``transformers.integrations.tensor_parallel.ALL_PARALLEL_STYLES``; the
 # styles it has that are missing here are refused by name, tests/test_hf_tp_registry.py walks them)
 HF_STYLES = {

@@ -3,7 +3,7 @@
 transformers declares no ``base_model_tp_plan`` for GPT-2 or OPT, yet both are Megatron-LM's layout:
 attention projections split by heads then a row-split output projection, a two-linear MLP, and a
 vocabulary-split embedding tied to the LM head. A derivation here writes that plan in our style names
-(``tensor_parallel.STYLES``) for one family and checks, on the built model, the facts the plan relies
+(``tp_styles.STYLES``) for one family and checks, on the built model, the facts the plan relies
 on (each split module's class and its fused width); a model that breaks one is refused in one line.
 A derived plan then meets the same gate as a declared one: the family must be in
 ``hf_tp_verified.VERIFIED_TP_FAMILIES``, which ``tests/test_hf_tp_registry.py`` measures (parity at

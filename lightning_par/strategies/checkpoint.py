@@ -59,7 +59,7 @@ from lightning_par.parallel.hf_plan import find_hf_model
 from lightning_par.strategies.checkpoint_errors import CheckpointError, _cause
 from lightning_par.strategies.lightning_file import check_lightning_file, load_lightning_file
 from lightning_par.parallel.materialize import canonical_name
-from lightning_par.parallel.tensor_parallel import gather_packed, scatter_packed
+from lightning_par.parallel.tp_styles import gather_packed, scatter_packed
 
 #: the model's key in the DCP payload: Lightning's sharded layout (its consolidate tool renames it to state_dict)
 MODEL_KEY = "model"
