@@ -48,30 +48,31 @@ def stored_tensors(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
             yield t
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size: on Linux ``VmHWM``, since the process started or since
-    ``reset_peak_rss``; elsewhere ``getrusage``'s, since the process started."""
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field (``VmHWM``, ``VmRSS``) in bytes; None where /proc is absent."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: on Linux ``VmHWM``, since the process started or since
+    ``reset_peak_rss``; elsewhere ``getrusage``'s, since the process started."""
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
 def current_rss_bytes() -> int | None:
     """This process's resident set size now (``VmRSS``); None where /proc is absent."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return None
+    return _proc_status_bytes("VmRSS")
 
 
 def reset_peak_rss() -> bool:
