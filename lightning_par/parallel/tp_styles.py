@@ -257,6 +257,15 @@ def _packed(x: object) -> bool:
     return isinstance(x, DTensor) and isinstance(x.placements[-1], _StridedShard)
 
 
+def has_packed(obj: object) -> bool:
+    """Whether ``obj`` (a state dict, nested) holds a packed tensor-parallel tensor."""
+    if isinstance(obj, dict):
+        return any(has_packed(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(has_packed(v) for v in obj)
+    return _packed(obj)
+
+
 def gather_packed(obj: object) -> object:
     """``obj`` (a state dict, nested) with every packed tensor-parallel tensor replicated over the tp axis.
 
@@ -277,10 +286,15 @@ def gather_packed(obj: object) -> object:
 def scatter_packed(loaded: object, original: object) -> object:
     """Undo ``gather_packed``: copy each loaded replicated tensor's slices into the packed tensor it stood
     for (in place) and return the structure with the originals back in their places."""
+    # a value the loaded structure lacks keeps the template's own, as when the template itself is loaded into
     if isinstance(original, dict):
-        return {k: scatter_packed(loaded[k], v) for k, v in original.items()}
+        if not isinstance(loaded, dict):
+            return original
+        return {k: scatter_packed(loaded[k], v) if k in loaded else v for k, v in original.items()}
     if isinstance(original, list):
-        return [scatter_packed(a, b) for a, b in zip(loaded, original)]
+        if not isinstance(loaded, list):
+            return original
+        return [scatter_packed(a, b) for a, b in zip(loaded, original)] + original[len(loaded):]
     if _packed(original):
         piece = distribute_tensor(loaded.to_local(), original.device_mesh, original.placements, src_data_rank=None) \
             if original.device_mesh.ndim == 1 else loaded.redistribute(original.device_mesh, original.placements)

@@ -59,7 +59,7 @@ from lightning_par.parallel.hf_plan import find_hf_model
 from lightning_par.strategies.checkpoint_errors import CheckpointError, _cause
 from lightning_par.strategies.lightning_file import check_lightning_file, load_lightning_file
 from lightning_par.parallel.materialize import canonical_name
-from lightning_par.parallel.tp_styles import gather_packed, scatter_packed
+from lightning_par.parallel.tp_styles import gather_packed, has_packed, scatter_packed
 
 #: the model's key in the DCP payload: Lightning's sharded layout (its consolidate tool renames it to state_dict)
 MODEL_KEY = "model"
@@ -290,13 +290,18 @@ class DistributedCheckpointMixin:
         templates: dict[str, Any] = {model_key: get_model_state_dict(module)}
         for i, opt in enumerate(optimizers):
             templates[f"optimizer_{i}"] = self.optimizer_state_template(opt)
-        loadable = gather_packed(templates)  # as saved: packed TP weights replicated over tp
+        # as saved: packed TP weights replicated over tp. Only then is a copy loaded into and scattered back:
+        # DCP fills the structure it is given in place, and an optimizer's param_groups loaded into a copy lost
+        # keys the template holds (SGD's momentum, a pipeline resumed in another cut)
+        packed = has_packed(templates)
+        loadable = gather_packed(templates) if packed else templates
         try:
             dcp.load(loadable, checkpoint_id=path)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
             raise CheckpointError(f"cannot load checkpoint {path} (damaged shard files, or a model it does not fit): "
                                   f"{_cause(e)}") from None
-        templates = scatter_packed(loadable, templates)
+        if packed:
+            templates = scatter_packed(loadable, templates)
         set_model_state_dict(module, templates[model_key],
                              options=StateDictOptions(strict=getattr(module, "strict_loading", True)))
         for i, opt in enumerate(optimizers):
