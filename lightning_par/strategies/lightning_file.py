@@ -91,10 +91,9 @@ def _by_name(torch_state: dict[str, Any], optimizer: torch.optim.Optimizer, modu
     current = [[fqn.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
     if [len(g) for g in current] == [len(g["params"]) for g in saved_groups] and all(n for g in current for n in g):
         order = current
-    elif len(saved_groups) == 1 and len(saved_groups[0]["params"]) == len(fqn):
-        order = [[canonical_fqn(n) for n, _ in module.named_parameters()]]  # one group of every parameter
-    elif len(saved_groups) == 1 and whole and len(saved_groups[0]["params"]) == len(whole):
-        order = [list(whole)]  # one group of every parameter of the whole model; this rank holds some
+    elif len(saved_groups) == 1 and len(saved_groups[0]["params"]) == len(
+            names := list(whole or (canonical_fqn(n) for n, _ in module.named_parameters()))):
+        order = [names]  # one group of every parameter of the whole model (a pipeline rank holds some)
     else:
         raise CheckpointError(f"checkpoint file {path}: its optimizer's {[len(g['params']) for g in saved_groups]} "
                               "parameters per group do not map onto this run's (a pipeline rank holds only its "
