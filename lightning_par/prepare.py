@@ -351,8 +351,15 @@ def _results(tasks: list[Task], workers: int, initargs: tuple, context: Any = No
             nxt = next(it, None)
             if nxt is not None:
                 window.append((pool.submit(_encode_task, nxt), nxt))
-    finally:  # on an error: drop the queued tasks instead of finishing them
-        pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:
+        # a dead worker, Ctrl-C, a full disk: kill the workers now instead of waiting on them. A worker that
+        # died holding one of the pool's queue locks can leave the others (and shutdown(wait=True)) blocked
+        # for good; the executor has no public way to kill its processes, hence its private ``_processes``.
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,5 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """The console command: ``main``, then an exit that does not join the pool's helper threads on a failure
+    (a queue thread blocked on a dead worker's pipe would otherwise hold the process forever)."""
+    rc = main()
+    if rc != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
