@@ -37,6 +37,22 @@ from lightning_par.parallel.pipeline import Pipeline
 from lightning_par.parallel.tensor_parallel import loss_parallel_context, reduce_partial_gradients
 
 
+def input_and_target(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(input, target)`` pair the strategy runs itself (a pipeline schedule, loss-parallel TP): it
+    calls the model's forward on the input alone and ``loss_fn(output, target)``, not the module's
+    ``training_step``, so anything else in a batch (a padding mask, a dict of fields) would be dropped
+    without a word. Refused in one line instead."""
+    if (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        return batch[0], batch[1]
+    shape = (f"a dict with keys {sorted(batch)}" if isinstance(batch, dict) else
+             f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else
+             f"a {type(batch).__name__}")
+    raise ValueError(f"{where} runs the model's forward on the input and loss_fn(output, target) itself, so a "
+                     f"batch must be an (input, target) pair of tensors; got {shape} (masks and other fields "
+                     "cannot reach a pipeline stage; use a data-parallel or sharded strategy for such a model)")
+
+
 class PipelineLoopMixin:
     """Lightning-loop plumbing for ``MeshParallelStrategy`` (see the module docstring)."""
 
@@ -59,7 +75,7 @@ class PipelineLoopMixin:
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            x, y = args[0]
+            x, y = input_and_target(args[0], "the pipeline")
             with self.precision_plugin.val_step_context():
                 loss = self._pipeline.eval_step(x, y) / self._loss_scale
             self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
@@ -71,7 +87,7 @@ class PipelineLoopMixin:
     def _pipeline_training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         pipe, module = self._pipeline, self.lightning_module
         assert pipe is not None and module is not None
-        x, y = batch
+        x, y = input_and_target(batch, "the pipeline")
         params = [p for p in module.parameters() if p.requires_grad]
         first = batch_idx % max(1, self.lightning_module.trainer.accumulate_grad_batches) == 0
         if first:  # last step's gradients: Lightning zeroes them right after this hook anyway
@@ -89,7 +105,7 @@ class PipelineLoopMixin:
     def _loss_parallel_step(self, batch: Any, name: str) -> torch.Tensor:
         """Forward, then the model's loss on vocabulary-sharded logits (no gather of the logits)."""
         module = self.lightning_module
-        x, y = batch
+        x, y = input_and_target(batch, "loss_parallel")
         context = self.precision_plugin.train_step_context() if name.startswith("train") \
             else self.precision_plugin.val_step_context()
         with context:
