@@ -1,9 +1,13 @@
 """MoE measurements: tokens per expert per step, load balance, dropped tokens, all-to-all bytes.
 
-Every MoE layer sums the figures of its forwards in ``MoE.last_stats`` (device tensors: routed
-assignments per expert, dropped assignments; the all-to-all bytes as a Python int, which the
-dispatcher knows on the host anyway) -- one forward per batch, or a pipeline's micro-batches;
-never an activation checkpoint's recompute. After each training batch this callback adds them to a
+Every MoE layer sums the figures of its forwards in ``last_stats`` (``parallel/contract.py``'s
+``ForwardStatsSource``; device tensors: routed assignments per expert, dropped assignments; the
+all-to-all bytes as a Python int, which the dispatcher knows on the host anyway) -- one forward per
+batch, or a pipeline's micro-batches; never an eval or ``no_grad`` forward, nor an activation
+checkpoint's recompute (``models.moe.is_training_forward``). The MoE layers (``moe_layers``, named
+by their module paths in the LightningModule) are our own ``MoE`` layers and the experts modules of a
+Hugging Face MoE model (Mixtral, Qwen2/3-MoE, ...: ``hf_plan.hf_experts``), to which this callback
+attaches ``HFExpertCounts`` for the run. After each training batch this callback adds them to a
 device buffer of the current optimizer step and clears them -- no host read, no collective. Every
 ``flush_every_n_steps`` steps the finished steps are moved to the host (one read per interval),
 and at the end of training one all-gather brings every rank's counts together by layer: summed
@@ -28,9 +32,74 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
 
 from lightning_par.callbacks.memory import all_gather_objects
-from lightning_par.models.moe import MoE
+from lightning_par.models.moe import MoE, is_training_forward
+from lightning_par.parallel.contract import STATS_ATTR, ForwardStatsSource
+from lightning_par.parallel.hf_plan import declares_experts, find_hf_model, hf_experts
+
+
+class HFExpertCounts:
+    """``MoE``'s figures (a ``ForwardStatsSource``) for a Hugging Face experts module, which is called as
+    ``experts(hidden_states, top_k_index, top_k_weights)``: a forward hook sums each training forward's
+    assignments per expert (device tensors, no host read) and the all-to-all bytes that the
+    expert-parallel forward leaves in ``last_a2a_bytes`` (``parallel/hf_experts.py``; 0 without).
+    These models are dropless: nothing is dropped. Attached as the module's ``STATS_ATTR`` (where a
+    pipeline finds it) until ``detach``."""
+
+    def __init__(self, module: nn.Module, n_experts: int) -> None:
+        self.module, self.n_experts = module, n_experts
+        self._forwards: list[tuple[torch.Tensor, int, int]] = []  # counts per expert, assignments, a2a bytes
+        self._hook = module.register_forward_hook(self._record, with_kwargs=True)
+        setattr(module, STATS_ATTR, self)
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if not isinstance(index, torch.Tensor) or index.is_meta or not is_training_forward(module):
+            return
+        n, flat = self.n_experts, index.reshape(-1).long()
+        # a scatter, not torch.bincount (on CUDA that reads the indices' min and max on the host); an
+        # index outside [0, n) routes to no expert (transformers' sentinel is n) and is not counted
+        bucket = torch.where((flat >= 0) & (flat < n), flat, n)
+        counts = torch.zeros(n + 1, dtype=torch.long, device=flat.device).index_add_(0, bucket, torch.ones_like(bucket))
+        self._forwards.append((counts[:n], flat.numel(), int(getattr(module, "last_a2a_bytes", 0))))
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """As ``MoE.last_stats``: the forwards since ``clear_stats``, summed; {} when there was none."""
+        if not self._forwards:
+            return {}
+        counts, assignments, a2a = zip(*self._forwards)
+        tokens = torch.stack(counts).sum(0)
+        return {"tokens_per_expert": tokens, "dropped": tokens.new_zeros(()), "assignments": sum(assignments),
+                "a2a_bytes": sum(a2a)}
+
+    def clear_stats(self) -> None:
+        self._forwards = []
+
+    def keep_last_forwards(self, n: int) -> None:
+        self._forwards = self._forwards[-n:] if n else []
+
+    def detach(self) -> None:
+        self._hook.remove()
+        if getattr(self.module, STATS_ATTR, None) is self:
+            delattr(self.module, STATS_ATTR)
+
+
+def moe_layers(pl_module: nn.Module) -> list[tuple[str, ForwardStatsSource]]:
+    """The MoE layers of ``pl_module`` by module path: its ``MoE`` layers, and the experts modules of
+    the Hugging Face model it holds (``HFExpertCounts`` attached to those that have none yet)."""
+    layers: list[tuple[str, ForwardStatsSource]] = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, MoE)]
+    found = find_hf_model(pl_module)
+    if found is not None:
+        prefix, hf = found
+        paths, n_experts = hf_experts(hf)  # under a pipeline: those of this rank's stages
+        for path in paths:
+            mod = hf.get_submodule(path)
+            counts = getattr(mod, STATS_ATTR, None) or HFExpertCounts(mod, n_experts)
+            layers.append((f"{prefix}.{path}" if prefix else path, counts))
+    return layers
 
 
 class MoEMonitor(L.Callback):
@@ -38,7 +107,7 @@ class MoEMonitor(L.Callback):
         if isinstance(flush_every_n_steps, bool) or not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
             raise ValueError(f"MoEMonitor: flush_every_n_steps={flush_every_n_steps!r} must be an integer >= 1")
         self.flush_every_n_steps = flush_every_n_steps
-        self._layers: list[MoE] = []
+        self._layers: list[ForwardStatsSource] = []
         self._names: list[str] = []
         self._current: torch.Tensor | None = None  # (layers, experts + 1): counts, then dropped
         self._pending: list[torch.Tensor] = []  # finished steps still on the device
@@ -48,10 +117,12 @@ class MoEMonitor(L.Callback):
         self._summary: dict[str, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._names = [n for n, m in pl_module.named_modules() if isinstance(m, MoE)]
-        self._layers = [pl_module.get_submodule(n) for n in self._names]
+        layers = moe_layers(pl_module)
+        self._names, self._layers = [n for n, _ in layers], [m for _, m in layers]
         # the same on every rank (a pipeline rank may hold no MoE layer, but joins the gather at the end)
-        self._moe_model = bool(self._layers) or getattr(getattr(pl_module, "config", None), "n_experts", 0) > 0
+        hf = find_hf_model(pl_module)
+        self._moe_model = (bool(self._layers) or getattr(getattr(pl_module, "config", None), "n_experts", 0) > 0
+                           or (hf is not None and declares_experts(hf[1])))
         self._step_seen = trainer.global_step
         for m in self._layers:
             m.clear_stats()
@@ -80,6 +151,9 @@ class MoEMonitor(L.Callback):
             self._pending = []
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for m in self._layers:  # the hooks of this run end with it
+            if isinstance(m, HFExpertCounts):
+                m.detach()
         if not getattr(self, "_moe_model", False):
             return
         self._flush()

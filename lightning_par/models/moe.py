@@ -100,6 +100,15 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def is_training_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is running one of training's forwards now: in training mode, with gradients
+    on (an eval or ``no_grad`` forward is none), and not an activation checkpoint's recompute -- that
+    runs inside backward, and torch has no public flag for it, hence the private graph-task id (-1
+    outside any backward). (A *reentrant* checkpoint's first forward runs without gradients: not
+    counted either; the project's checkpointing is non-reentrant.)"""
+    return module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
 class Dispatcher(Protocol):
     """Runs ``experts`` on rows sorted by expert: ``counts[e]`` rows for expert e in order, then
     ``counts[E]`` dropped rows (ignored). Returns the outputs of the kept rows, in the same order."""
@@ -261,9 +270,7 @@ class MoE(nn.Module):
         if self.aux_grad_scale is not None and torch.is_grad_enabled() and self.aux_loss is not None:
             out = _AddAuxLossGrad.apply(out, self.aux_loss, self.aux_grad_scale)
             aux = self.aux_loss.detach()
-        # a checkpoint's recompute (it runs inside backward) is not a forward of its own; torch has no
-        # public flag for it, hence the graph-task id (-1 outside any backward)
-        if self.training and torch._C._current_graph_task_id() == -1:
+        if is_training_forward(self):  # not an eval / no_grad forward, nor a checkpoint's recompute
             # a pipeline (aux_grad_scale set) clears them every step and keeps its micro-batches; else
             # one forward per batch: the last one replaces any the monitor did not read (nothing piles up)
             self._forwards = [*self._forwards, (*stats, aux)] if self.aux_grad_scale is not None else [(*stats, aux)]

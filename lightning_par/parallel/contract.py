@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -126,22 +126,47 @@ class InitsWeights(Protocol):
 
 
 @runtime_checkable
-class AuxLossSource(Protocol):
+class ForwardStatsSource(Protocol):
+    """A layer that keeps figures of its training forwards until they are read: an MoE layer's routed
+    tokens per expert, all-to-all bytes (``last_stats``, summed over the forwards since
+    ``clear_stats``; ``callbacks/moe.py`` reads and clears them after every batch). A pipeline
+    clears them before each step and afterwards keeps only its micro-batches' (``keep_last_forwards(n)``:
+    a stage's first step runs one more forward, to infer shapes). A module that is none itself may
+    carry one as its ``STATS_ATTR`` attribute (a Hugging Face experts module: ``callbacks/moe.py``)."""
+
+    @property
+    def last_stats(self) -> dict[str, Any]: ...
+
+    def clear_stats(self) -> None: ...
+
+    def keep_last_forwards(self, n: int) -> None: ...
+
+
+STATS_ATTR = "lp_forward_stats"
+
+
+def forward_stats_sources(modules: Iterable[nn.Module]) -> list[ForwardStatsSource]:
+    """Every ``ForwardStatsSource`` inside ``modules``: the modules that are one, and those attached."""
+    found = []
+    for mod in modules:
+        for m in mod.modules():
+            found += [s for s in (m, getattr(m, STATS_ATTR, None)) if isinstance(s, ForwardStatsSource)]
+    return found
+
+
+@runtime_checkable
+class AuxLossSource(ForwardStatsSource, Protocol):
     """A layer that computes an auxiliary training loss inside its forward (an MoE router's balance
     and z-losses). Normally the LightningModule adds it to the loss it returns. A pipeline stage
     returns only its activations, so ``parallel/pipeline.py`` sets ``aux_grad_scale`` (the scale of
     each micro-batch's loss) and the layer feeds the gradient of ``aux_grad_scale x aux`` into
-    backward itself; ``aux_sum`` (detached, summed over the forwards since ``clear_stats``) is what
-    it added, and ``keep_last_forwards(n)`` drops the forwards that were no micro-batch."""
+    backward itself; ``aux_sum`` (detached, summed over its forwards as kept by ``ForwardStatsSource``)
+    is what it added."""
 
     aux_grad_scale: float | None
 
     @property
     def aux_sum(self) -> torch.Tensor | None: ...
-
-    def clear_stats(self) -> None: ...
-
-    def keep_last_forwards(self, n: int) -> None: ...
 
 
 def aux_loss_sources(modules: Iterable[nn.Module]) -> list[nn.Module]:

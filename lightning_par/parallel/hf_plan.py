@@ -223,12 +223,22 @@ def _matches(pattern: str, path: str) -> bool:
     return len(a) == len(b) and all(x in ("*", y) for x, y in zip(a, b))
 
 
+def _expert_patterns(model: nn.Module) -> list[str]:
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    return [k for k, v in plan.items() if v == "ep_dispatch_experts"]
+
+
+def declares_experts(model: nn.Module) -> bool:
+    """Whether the model's config declares routed-expert modules (``hf_experts``), from the config alone:
+    the same on every rank, also one whose pipeline stage holds none of them."""
+    return bool(_expert_patterns(model))
+
+
 def hf_experts(model: nn.Module) -> tuple[tuple[str, ...], int]:
     """The routed-expert modules the config's ``base_model_ep_plan`` declares (style
     ``ep_dispatch_experts``: stacked weights whose dim 0 is the expert, called with
     ``(hidden_states, top_k_index, top_k_weights)``) and their expert count; ((), 0) without any."""
-    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
-    patterns = [k for k, v in plan.items() if v == "ep_dispatch_experts"]
+    patterns = _expert_patterns(model)
     if not patterns:
         return (), 0
     prefix = getattr(model, "base_model_prefix", "")

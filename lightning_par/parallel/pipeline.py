@@ -49,7 +49,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_par.parallel.contract import aux_loss_sources
+from lightning_par.parallel.contract import aux_loss_sources, forward_stats_sources
 from lightning_par.parallel.hf_pipeline import HFStageRunner, hf_stage_runner
 
 log = logging.getLogger(__name__)
@@ -380,12 +380,13 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first and x is not None else ()
         aux = aux_loss_sources(self.modules)
-        for m in aux:
+        stats = forward_stats_sources(self.modules)  # the aux-loss layers among them
+        for m in stats:
             m.clear_stats()
         self.timer.begin_step()
         fn(*args, target=target if self.has_last else None, losses=losses)
         self.timer.end_step()
-        for m in aux:  # each of this rank's stages ran one forward per micro-batch (+ shape inference once)
+        for m in stats:  # each of this rank's stages ran one forward per micro-batch (+ shape inference once)
             m.keep_last_forwards(self.n_microbatches)
         loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
         loss = loss.to(self.stages[0].device).float()
