@@ -196,6 +196,8 @@ def format_summary(s: dict[str, Any]) -> str:
         mfu = f"  MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""
         samples = f"  {s['samples_per_s']:.1f} samples/s" if s.get("samples_per_s") else ""
         lines.append(f"step {1000 * st:.1f} ms{samples}{extra}{mfu}")
+    if s.get("mfu_note"):  # MFU is null because the model's FLOPs could not be counted: say why
+        lines.append(f"MFU n/a: {s['mfu_note']}")
     if s.get("bubble"):
         b = s["bubble"]
         # None where nothing was measured (a run too short for a step past the first)

@@ -3,11 +3,13 @@
 Step time is the wall time between consecutive optimizer-step ends (so it includes data loading,
 forward, backward, communication and the optimizer). FLOPs per optimizer step come from torch's
 FLOP counter (through Lightning's ``measure_flops``) run once on a meta-device copy of the model's
-architecture -- forward and backward for the whole global batch, no real compute. MFU divides the
-achieved model FLOP/s by the dense device peak for the dtype the matmuls run in (``matmul_dtype``:
-FSDP's ``param_dtype`` when the strategy sets one, else the trainer's precision; peaks from
-``lightning_par/devices.py``, or ``peak_tflops`` to override) times the number of ranks; where the
-peak is unknown (CPU), MFU is null.
+architecture -- forward and backward for the whole global batch, no real compute; a Hugging Face MoE
+copy counts the routed work, each token through its top-k experts (``parallel/hf_flops.py``). A model
+that cannot be counted so (an op the meta device cannot run) is not an error: its MFU is null and the
+summary's ``mfu_note`` says why in one line. MFU divides the achieved model FLOP/s by the dense
+device peak for the dtype the matmuls run in (``matmul_dtype``: FSDP's ``param_dtype`` when the
+strategy sets one, else the trainer's precision; peaks from ``lightning_par/devices.py``, or
+``peak_tflops`` to override) times the number of ranks; where the peak is unknown (CPU), MFU is null.
 
 No host synchronisation per step: on CUDA the device is synchronised only every
 ``every_n_steps`` optimizer steps (default 10), and a window's time divided by its steps is the
@@ -26,6 +28,7 @@ steps that include a checkpoint save or a validation pass), and a per-step value
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any
@@ -37,6 +40,8 @@ from lightning.fabric.utilities.throughput import measure_flops
 from lightning_par import dtypes
 from lightning_par.devices import peak_flops_per_device
 from lightning_par.logging_steps import logs_this_step
+
+log = logging.getLogger(__name__)
 
 
 def precision_dtype(precision: str | int) -> torch.dtype:
@@ -61,18 +66,46 @@ def matmul_dtype(trainer: L.Trainer) -> torch.dtype:
     return precision_dtype(trainer.precision)
 
 
-def model_flops_per_batch(pl_module: L.LightningModule, batch_size: int) -> int | None:
-    """Training FLOPs (forward + backward) of one batch, counted on a meta copy; None if unknown."""
+def count_model_flops(pl_module: L.LightningModule, batch_size: int) -> tuple[int | None, str | None]:
+    """Training FLOPs (forward + backward) of one batch, counted on a meta copy: ``(flops, None)``, or
+    ``(None, why not)`` in one line. Never raises: a model the meta device cannot run only loses its MFU.
+
+    A Hugging Face MoE copy runs its experts with ``batched_mm`` first (``parallel/hf_flops.py``), so
+    the count is the routed work (each token through its top-k experts); one whose experts cannot be
+    counted so is refused rather than counted as all experts on every token."""
+    from lightning_par.parallel.hf_flops import FlopsUnknown, route_experts_for_counting
+
     build = getattr(pl_module, "build_net", None)
     example = getattr(pl_module, "example_input", None)
+    name = type(pl_module).__name__
     if not callable(build) or not callable(example):
-        return None
+        return None, f"FLOPs not counted: {name} has no build_net(device) and example_input(batch_size, device)"
     try:
         net = build("meta")
         x = example(batch_size, "meta")
-    except NotImplementedError:
-        return None
-    return int(measure_flops(net, lambda: net(x), lambda y: y.float().sum()))
+    except NotImplementedError as e:  # ParModule's defaults: the model builds no meta copy
+        return None, f"FLOPs not counted: {name} builds no meta copy ({_one_line(e)})"
+    except Exception as e:  # noqa: BLE001 - a measurement: whatever fails, the run goes on without it
+        return None, f"FLOPs not counted: building {name}'s meta copy failed ({_one_line(e)})"
+    try:
+        route_experts_for_counting(net)
+        return int(measure_flops(net, lambda: net(x), lambda y: y.float().sum())), None
+    except FlopsUnknown as e:
+        return None, f"FLOPs not counted: {e}"
+    except Exception as e:  # noqa: BLE001 - e.g. an op without a meta kernel, or a data-dependent one (nonzero)
+        return None, f"FLOPs not counted: running {name} on the meta device failed ({_one_line(e)})"
+
+
+def model_flops_per_batch(pl_module: L.LightningModule, batch_size: int) -> int | None:
+    """Training FLOPs (forward + backward) of one batch, counted on a meta copy; None if unknown
+    (``count_model_flops`` says why)."""
+    return count_model_flops(pl_module, batch_size)[0]
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def global_batch_of(trainer: L.Trainer) -> int | None:
@@ -120,6 +153,7 @@ class ThroughputMonitor(L.Callback):
         self._every = 1
         self._cuda: torch.device | None = None
         self.flops_per_step: int | None = None
+        self.flops_note: str | None = None  # why flops_per_step (and so MFU) is unknown
         self.peak_flops_per_rank: float | None = None
         self.matmul_dtype: torch.dtype | None = None
         self.global_batch_size: int = 0
@@ -145,8 +179,13 @@ class ThroughputMonitor(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the loaders exist from here on: a plain DataLoader's batch size is known
         self.global_batch_size = global_batch_of(trainer) or 0
+        self.flops_per_step, self.flops_note = None, None
         if self.global_batch_size:
-            self.flops_per_step = model_flops_per_batch(pl_module, self.global_batch_size)
+            self.flops_per_step, self.flops_note = count_model_flops(pl_module, self.global_batch_size)
+        else:
+            self.flops_note = "FLOPs not counted: the global batch size is unknown"
+        if self.flops_note:
+            log.info("%s; MFU will be null", self.flops_note)
 
     def _now(self) -> float:
         if self._cuda is not None:
@@ -188,8 +227,9 @@ class ThroughputMonitor(L.Callback):
     def summary(self) -> dict[str, Any]:
         measured = [dt for first, n, dt in self.windows if first - self._start_step > self.warmup_steps
                     for _ in range(n)] or self.step_times
+        note = {"mfu_note": self.flops_note} if self.flops_note else {}  # present only when that is why MFU is null
         if not measured:
-            return {"step_time_s": None, "samples_per_s": None, "tokens_per_s": None, "mfu": None}
+            return {"step_time_s": None, "samples_per_s": None, "tokens_per_s": None, "mfu": None, **note}
         step = statistics.median(measured)
         samples = self.global_batch_size / step if self.global_batch_size else None
         tokens = samples * self.tokens_per_sample if samples and self.tokens_per_sample else None
@@ -198,4 +238,4 @@ class ThroughputMonitor(L.Callback):
             mfu = self.flops_per_step / step / (self.peak_flops_per_rank * self.world_size)
         return {"step_time_s": step, "samples_per_s": samples, "tokens_per_s": tokens, "mfu": mfu,
                 "flops_per_step": self.flops_per_step,
-                "matmul_dtype": str(self.matmul_dtype).removeprefix("torch.") if self.matmul_dtype else None}
+                "matmul_dtype": str(self.matmul_dtype).removeprefix("torch.") if self.matmul_dtype else None, **note}
