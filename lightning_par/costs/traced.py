@@ -19,6 +19,7 @@ added). Why not torch's ``FSDPMemTracker`` or a real run: both need the processe
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -114,12 +115,21 @@ def trace_model(make: Any, micro_batch: int, *, precision: str = "32-true", targ
     micro-batches 1 and 2 on the CPU, extrapolated linearly to ``micro_batch`` (activations and
     temporaries grow with the batch; parameters, gradients and states do not). The real fallback
     needs the model in host memory and measures the routing of its random initialisation."""
+    # torch logs a kernel the fake run cannot do (e.g. grouped_mm's bf16-only meta kernel, what a
+    # transformers MoE runs) as an ERROR with its traceback before raising; here that is the expected
+    # way to the real fallback below, not an error the user should see
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         return trace_step(make(), micro_batch, precision=precision, target=target)
     except ValueError:
         raise
     except Exception:  # noqa: BLE001 - whatever the fake run could not do, the real one measures
+        fake_log.setLevel(level)
         one, two = (trace_step(make(), b, precision=precision, target=target, fake=False) for b in (1, 2))
+    finally:
+        fake_log.setLevel(level)
 
     def grow(a: Moment, b: Moment) -> Moment:
         k = micro_batch - 1
