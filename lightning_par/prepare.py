@@ -397,16 +397,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli() -> None:
-    """The console command: ``main``, then an exit that does not join the pool's helper threads on a failure
-    (a queue thread blocked on a dead worker's pipe would otherwise hold the process forever)."""
-    rc = main()
-    if rc != 0:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    sys.exit(rc)
-
-
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

@@ -109,6 +109,26 @@ def _one(model_type: str) -> tuple[str, str]:
     return "parity", ""
 
 
+def readme_counts_match(outcome: dict[str, tuple[str, str]], pattern: str) -> None:
+    """With the transformers the README's counts were measured on, they are this walk's (``pattern``: a
+    regular expression over the README whose groups are total, parity, unbuildable, refused)."""
+    import re
+    from pathlib import Path
+
+    import transformers
+
+    from lightning_par.parallel.hf_tp_verified import MEASURED_WITH
+
+    if not transformers.__version__.startswith(MEASURED_WITH):
+        return  # another transformers: other families, other counts; the outcome checks above still hold
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    m = re.search(pattern, readme)
+    assert m, f"README lacks the sentence {pattern!r}"
+    kinds = [kind for kind, _ in outcome.values()]
+    got = (len(outcome), kinds.count("parity"), kinds.count("unbuildable"), kinds.count("refused"))
+    assert tuple(int(g) for g in m.groups()) == got, (m.group(0), got)
+
+
 def walk(families: list[str]) -> dict[str, tuple[str, str]]:
     """Every family's outcome, printed with the counts; asserts none failed and every refusal is one line."""
     import logging
@@ -140,6 +160,8 @@ def test_every_family_with_a_pipeline_plan_cuts_exactly_or_is_refused_in_one_lin
     outcome = walk(families)
     assert {mt for mt, (kind, _) in outcome.items() if kind == "parity"} >= {
         "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe"}
+    readme_counts_match(outcome, r"declares a `base_model_pp_plan` \((\d+) in transformers [\d.]+\).*?"
+                                 r"\*\*(\d+) give the whole model's logits.*?; (\d+) cannot be built.*?(\d+) are refused")
 
 
 @pytest.mark.slow
@@ -149,3 +171,5 @@ def test_every_family_without_a_pipeline_plan_cuts_exactly_on_a_derived_plan_or_
     assert len(families) >= 50  # the registry is read, not a hand-picked list
     outcome = walk(families)
     assert {mt for mt, (kind, _) in outcome.items() if kind == "parity"} >= {"gpt2", "opt", "falcon", "bloom"}
+    readme_counts_match(outcome, r"walks the (\d+) causal-LM families that declare no plan: \*\*(\d+) give the whole "
+                                 r"model's logits.*?, (\d+) cannot be built or run whole at tiny sizes, (\d+) are refused")

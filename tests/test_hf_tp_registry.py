@@ -7,7 +7,10 @@ split by its own plan translated to ours (``parallel/hf_plan.py``, the code the 
 strategy runs) -- trained 4 SGD steps on the same tokens, dropout off. The outcome is one of:
 
 - ``parity``: every step's loss within rtol 1e-5 of the whole model's, and every parameter after
-  the steps (gathered) within rtol 1e-4 / atol 1e-6 -- so a gradient left unreduced shows;
+  the steps (gathered) within rtol 1e-4 / atol 1e-5 -- so a gradient left unreduced shows (it moves a
+  weight by about lr x gradient, ~1e-3 here); float32 rounding alone moved 2 of 16384 embedding weights
+  of Gemma-3 and Helium by 2.4e-6 on one CPU and not at all on another (a vocabulary-parallel embedding
+  sums its rows' gradients in another order), so atol 1e-6 failed or passed with the CPU;
 - ``refused``: one line naming the family and the style or size that cannot be split;
 - ``unbuildable``: transformers cannot build or run the family, unsplit, at the tiny sizes (not
   ours to judge; counted apart);
@@ -98,9 +101,9 @@ def _one(model_type: str, mesh) -> tuple[str, str]:  # noqa: ANN001
         params = dict(whole.named_parameters())
         for name, p in split.named_parameters():
             full = p.full_tensor() if isinstance(p, DTensor) else p
-            torch.testing.assert_close(full.detach(), params[name].detach(), rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(full.detach(), params[name].detach(), rtol=1e-4, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
     except AssertionError as e:
-        return "failed", f"mismatch: {str(e).splitlines()[0][:200]} (losses {got})"
+        return "failed", f"mismatch: {' | '.join(str(e).splitlines()[:6])[:600]} (losses {got})"
     return "parity", ""
 
 

@@ -21,9 +21,9 @@ VERIFIED_TP_FAMILIES = frozenset({
     "diffllama", "dory", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint",
     "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gptj", "granite",
     "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
-    "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "laguna", "lfm2",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "lfm2",
     "llama", "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
-    "ministral3", "mistral", "mixtral", "nanochat", "nemotron", "olmo2", "olmoe", "opt", "phi", "phi3", "qwen2",
+    "ministral3", "mistral", "mixtral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "opt", "phi", "phi3", "qwen2",
     "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma"
 })
 
