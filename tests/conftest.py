@@ -1,3 +1,4 @@
+import functools
 import os
 
 import pytest
@@ -14,3 +15,23 @@ def _single_thread_and_clean_pg():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject.toml): a run of
+# N ranks spends much of its time in one process at a time -- rank 0 importing torch, Lightning and
+# transformers, then each child doing the same while rank 0 waits at the rendezvous -- so a second
+# test fills the idle core. The multirun sweeps in ``tests/sweeps.py`` are cached per test session,
+# and a worker is a session: every module that reads them is one group, run by one worker, so each
+# sweep still runs once. Every other test is handed out on its own.
+@functools.lru_cache(maxsize=None)
+def _reads_shared_sweeps(path: str) -> bool:
+    """Whether the test module at ``path`` uses ``tests/sweeps.py`` (imports it, at the top or in a test)."""
+    with open(path) as f:
+        return "tests.sweeps" in f.read()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _reads_shared_sweeps(str(item.path)):
+            item.add_marker(pytest.mark.xdist_group("shared_sweeps"))

@@ -18,7 +18,7 @@ strategy runs) -- trained 4 SGD steps on the same tokens, dropout off. The outco
   ``parallel/hf_tp_verified.py``'s set, which the tensor_parallel strategy requires of a Hugging Face
   family (the test checks the set equals the families with parity), so it is refused before launch.
 
-The counts are printed (``-s``) and, on the transformers version the verified set was measured
+The counts are printed (``-n 0 -s``: one process, output shown) and, on the transformers version the verified set was measured
 with, must equal the README's sentence "N of M families".
 """
 

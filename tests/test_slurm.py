@@ -20,7 +20,8 @@ import pytest
 from tests.helpers import QUICK, ROOT, assert_losses_match
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, start_cluster
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
+# one xdist worker runs both tests: they share the session's one local Slurm cluster (and its munge daemon)
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("slurm")]
 
 DDP2 = [*QUICK, "strategy=ddp", "trainer.devices=2"]
 

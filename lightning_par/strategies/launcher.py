@@ -48,6 +48,8 @@ _GRACE_FAILED_S = 20.0
 # interrupted, and then before this process gives up on it (see _JobObserver.run)
 _NOTICE_S = 60.0
 _GIVE_UP_S = 30.0
+# after rank 0 failed on its own, seconds to wait for a child's death to show (ChildCommandLauncher._settle)
+_SETTLE_S = 3.0
 
 
 class RankDied(RuntimeError):
@@ -161,10 +163,21 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         return result
 
     @staticmethod
-    def _settle(observer: _JobObserver) -> None:
-        """Let the observer see a child that died just now (rank 0 usually fails a moment later)."""
-        if observer.dead is None and any(p.poll() not in (None, 0) for p in observer._child_processes):
-            observer._run()
+    def _settle(observer: _JobObserver, wait_s: float = _SETTLE_S) -> None:
+        """Let the observer see a child that died just now. Rank 0's collective fails as soon as the dead
+        rank's sockets close, which happens while that process is still exiting: its ``poll()`` can read
+        None for a moment more (longer on a loaded machine; a test saw gloo's read error recorded instead
+        of the dead rank), so wait up to ``wait_s`` for an exit to show. Only failed jobs wait."""
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while observer.dead is None:
+            if any(p.poll() not in (None, 0) for p in observer._child_processes):
+                observer._run()
+                return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def reap(self, grace_s: float) -> None:
         """Wait up to ``grace_s`` in all for the children to exit, then kill the rest."""
