@@ -170,12 +170,18 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         of the dead rank), so wait up to ``wait_s`` for an exit to show. Only failed jobs wait."""
         import time
 
+        if observer.dead is None and any(p.poll() not in (None, 0) for p in observer._child_processes):
+            observer._run()  # already gone: as before
+            return
+        # wait only for a death by signal (SIGKILL by the kernel); a child that exits with a code of its own
+        # while we wait failed like rank 0 (every rank raised alike), and rank 0's error is the job's
         deadline = time.monotonic() + wait_s
-        while observer.dead is None:
-            if any(p.poll() not in (None, 0) for p in observer._child_processes):
-                observer._run()
+        while observer.dead is None and time.monotonic() < deadline:
+            codes = [p.poll() for p in observer._child_processes]
+            if any(c is not None and c > 0 for c in codes):
                 return
-            if time.monotonic() >= deadline:
+            if any(c is not None and c < 0 for c in codes):
+                observer._run()
                 return
             time.sleep(0.05)
 
