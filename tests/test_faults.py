@@ -353,3 +353,41 @@ def test_rank_dead_before_rendezvous_is_recorded_instead_of_a_hang(tmp_path):
     err = json.loads((tmp_path / "error.json").read_text())
     assert err["type"] == "RankDied" and "rank 1 died (exit code 3) before the ranks connected" in err["error"], err
     assert error_lines(proc.stderr) == [f"error: {err['error']}"]
+
+
+# --------------------------------------------------------------- whose error is the job's (no processes)
+class _Child:
+    """A stand-in for a child's Popen: ``poll()`` reads None until ``after`` calls, then ``code``."""
+
+    def __init__(self, code, after: int = 0) -> None:
+        self.code, self.after, self.returncode, self.pid = code, after, None, 0
+
+    def poll(self):
+        if self.after > 0:
+            self.after -= 1
+            return None
+        self.returncode = self.code
+        return self.code
+
+    def kill(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("child", "rank0_error", "dead"), [
+    # both ranks raised their own error (a full disk), the child first: rank 0's error is the job's
+    (_Child(1), OSError("disk tier: no room"), None),
+    # rank 0's collective failed because the child exited: the child is the job's error ...
+    (_Child(1), RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"), (1, 1)),
+    # ... also when its exit shows only after rank 0 failed (a loaded machine)
+    (_Child(1, after=5), RuntimeError("[gloo] Read error: Connection reset by peer"), (1, 1)),
+    # a child killed by the kernel is the job's error whatever rank 0 saw
+    (_Child(-9), ValueError("something else"), (1, -9)),
+    # a healthy child: nothing to attribute
+    (_Child(None), RuntimeError("gloo: Connection closed by peer"), None),
+])
+def test_a_dead_child_is_the_jobs_error_only_when_it_explains_rank_0s(child, rank0_error, dead):
+    from lightning_par.strategies.launcher import ChildCommandLauncher, _is_peer_failure, _JobObserver
+
+    observer = _JobObserver([child])
+    ChildCommandLauncher._settle(observer, peer_failure=_is_peer_failure(rank0_error), wait_s=0.5)
+    assert observer.dead == dead

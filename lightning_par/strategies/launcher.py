@@ -52,6 +52,17 @@ _GIVE_UP_S = 30.0
 _SETTLE_S = 3.0
 
 
+def _is_peer_failure(e: BaseException) -> bool:
+    """Whether rank 0's error is what a dead peer causes: a failed collective (gloo/NCCL report a closed
+    or reset connection as DistError or a RuntimeError naming the backend), or the observer's interrupt."""
+    import torch.distributed as dist
+
+    if isinstance(e, (dist.DistError, KeyboardInterrupt)):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "broken pipe"))
+
+
 class RankDied(RuntimeError):
     """A child rank of this job exited abnormally."""
 
@@ -143,7 +154,7 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             # an error every rank raised at the same step (a non-finite loss, a stop on SIGTERM) is the
             # job's own; otherwise a child that died explains why rank 0's collective failed
             if observer is not None and not getattr(e, "all_ranks", False):
-                self._settle(observer)
+                self._settle(observer, peer_failure=_is_peer_failure(e))
                 if observer.dead is not None:
                     rank, code = observer.dead
                     raise RankDied(f"rank {rank} died ({describe_exit(code)}); this job is failed "
@@ -163,25 +174,25 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         return result
 
     @staticmethod
-    def _settle(observer: _JobObserver, wait_s: float = _SETTLE_S) -> None:
-        """Let the observer see a child that died just now. Rank 0's collective fails as soon as the dead
-        rank's sockets close, which happens while that process is still exiting: its ``poll()`` can read
-        None for a moment more (longer on a loaded machine; a test saw gloo's read error recorded instead
-        of the dead rank), so wait up to ``wait_s`` for an exit to show. Only failed jobs wait."""
+    def _settle(observer: _JobObserver, peer_failure: bool, wait_s: float = _SETTLE_S) -> None:
+        """Decide whether a dead child is the job's error, rank 0's having failed.
+
+        A child killed by a signal (the kernel's SIGKILL) always is. A child that exited with a code of
+        its own is only when rank 0's error is a failed collective (``peer_failure``): otherwise both
+        raised an error of their own -- often the same one (a full disk), in any order -- and rank 0's
+        error, which names the cause, is the job's. Rank 0's collective fails as soon as the dead rank's
+        sockets close, while that process is still exiting: its ``poll()`` can read None a moment more
+        (longer on a loaded machine), so wait up to ``wait_s`` for an exit to show. Only failed jobs wait."""
         import time
 
-        if observer.dead is None and any(p.poll() not in (None, 0) for p in observer._child_processes):
-            observer._run()  # already gone: as before
-            return
-        # wait only for a death by signal (SIGKILL by the kernel); a child that exits with a code of its own
-        # while we wait failed like rank 0 (every rank raised alike), and rank 0's error is the job's
-        deadline = time.monotonic() + wait_s
-        while observer.dead is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + (wait_s if peer_failure else 0.0)
+        while True:
             codes = [p.poll() for p in observer._child_processes]
-            if any(c is not None and c > 0 for c in codes):
+            if any(c is not None and c < 0 for c in codes) or (peer_failure and any(codes)):
+                observer._run()  # record the dead rank (first one by rank order) and kill the others
                 return
-            if any(c is not None and c < 0 for c in codes):
-                observer._run()
+            if time.monotonic() >= deadline:
+                observer.dead = observer.dead if observer.dead is not None and observer.dead[1] < 0 else None
                 return
             time.sleep(0.05)
 
