@@ -363,6 +363,7 @@ def _job(cfg: DictConfig) -> float | None:
     _state["job_started"] = True
     _one_log_handler()
     job = hydra_job()
+    watch = _exit_watch(job)
     try:
         return _run(cfg)
     except (KeyboardInterrupt, SystemExit) as e:  # an interrupt or an explicit exit ends everything
@@ -382,6 +383,21 @@ def _job(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {line}", file=sys.stderr)
         sys.exit(1)
+    finally:  # the job recorded how it ended (summary or error.json): nothing left for the watcher
+        if watch is not None:
+            watch.job_ended()
+
+
+def _exit_watch(job: dict):
+    """Rank 0's watcher (``exit_watch.py``): error.json if the kernel kills this process mid-job."""
+    from lightning_par.exit_watch import ExitWatch
+    from lightning_par.jobs import global_rank
+
+    if global_rank() != 0 or not job.get("output_dir"):
+        return None
+    watch = ExitWatch.get()
+    watch.job_started(job["output_dir"], job.get("overrides", []))
+    return watch
 
 
 def main() -> None:

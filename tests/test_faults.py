@@ -391,3 +391,62 @@ def test_a_dead_child_is_the_jobs_error_only_when_it_explains_rank_0s(child, ran
     observer = _JobObserver([child])
     ChildCommandLauncher._settle(observer, peer_failure=_is_peer_failure(rank0_error), wait_s=0.5)
     assert observer.dead == dead
+
+
+# ------------------------------------------------------- the main process killed by the kernel (rank 0)
+_KILL_ME = """
+import os, signal, sys
+from lightning_par.exit_watch import ExitWatch
+watch = ExitWatch.get()
+print(watch._proc.pid, flush=True)
+watch.job_started(sys.argv[1], ["model=gpt_tiny"])
+if sys.argv[2] == "end":
+    watch.job_ended()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _wait_gone(pid: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists(), f"watcher {pid} still running"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_main_process_killed_mid_job_leaves_error_json(tmp_path, ended):
+    """The watcher writes error.json when the process dies by SIGKILL inside a job, and only then."""
+    proc = subprocess.run([sys.executable, "-c", _KILL_ME, str(tmp_path), "end" if ended else "open"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    _wait_gone(int(proc.stdout.split()[0]))
+    if ended:
+        assert not (tmp_path / "error.json").exists()
+        return
+    err = json.loads((tmp_path / "error.json").read_text())
+    assert err["type"] == "Killed" and err["rank"] == 0 and err["overrides"] == ["model=gpt_tiny"], err
+    assert err["error"].startswith("rank 0 (the main process, pid ") and "SIGKILL" in err["error"], err
+    assert "out of memory?" in err["error"], err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rank_0_killed_by_the_kernel_is_recorded(tmp_path):
+    """Rank 0 of a 2-rank run SIGKILLed at step 3 (as the OOM killer would): the job's error.json says
+    so, no summary, and rank 1 does not outlive it."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    cmd = [sys.executable, str(ROOT / "run.py"), *DDP2, "+callbacks.fault._target_=tests.fault.KillRankAt",
+           "+callbacks.fault.step=3", "+callbacks.fault.rank=0", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, (proc.stdout + proc.stderr)[-3000:]
+    deadline = time.monotonic() + 20
+    while not (run_dir / "error.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    err = json.loads((run_dir / "error.json").read_text())
+    assert err["type"] == "Killed" and "rank 0 (the main process" in err["error"] and "out of memory?" in err["error"]
+    assert "trainer.devices=2" in err["overrides"], err
+    assert not (run_dir / "summary.json").exists()
+    out = subprocess.run(["pgrep", "-f", f"lightning_par.child.*{run_dir}"], capture_output=True, text=True)
+    assert out.stdout.strip() == "", f"rank 1 outlived rank 0: {out.stdout}"
