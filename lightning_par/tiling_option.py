@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_par import ConfigError
-from lightning_par.parallel.tiling import check_tiling, tileable
+from lightning_par.parallel.tiling import check_tiling, with_tied_partners
 from lightning_par.strategies.base import ParStrategyMixin
 
 
@@ -30,7 +30,7 @@ def set_tiling(strategy: object, tiling: dict[str, int], model: nn.Module | None
     one line before any process starts."""
     if tiling and not isinstance(strategy, ParStrategyMixin):
         raise ConfigError(f"strategy.tiling needs a lightning_par strategy, not {type(strategy).__name__}")
-    for path, k in (tiling.items() if model is not None else ()):
-        tileable(model, path, k)
+    if model is not None and tiling:
+        with_tied_partners(model, tiling)  # every path, and a tied pair named with two counts
     if isinstance(strategy, ParStrategyMixin):
         strategy.tiling = tiling

@@ -15,14 +15,15 @@ inside a node while only the replicas talk across nodes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from itertools import takewhile
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_par.parallel.ties import tied_parameters
+from lightning_par.parallel.ties import module_paths, tied_parameters
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,12 @@ def resolve_units(model: nn.Module, spec: str | int | Sequence[str]) -> list[str
         raise ValueError(f"FSDP units: expected paths, a class name or a parameter count, got {spec!r}")
     if isinstance(spec, int):
         units: list[str] = []
+        seen: set[int] = set()
 
         def visit(path: str, mod: nn.Module) -> int:
+            if id(mod) in seen:  # a module under two parents (a tied tile) is counted, and made a unit, once
+                return 0
+            seen.add(id(mod))
             left = sum(p.numel() for p in mod.parameters(recurse=False))
             for name, child in mod.named_children():
                 left += visit(f"{path}.{name}" if path else name, child)
@@ -102,18 +107,31 @@ def keep_ties_whole(model: nn.Module, units: list[str]) -> list[str]:
     """``units`` less those holding one use of a shared parameter whose other use lies outside them
     (BERT's MLM decoder tied to its word embeddings, which ``_no_split_modules`` makes a unit): FSDP2
     can shard a parameter in one unit only, so such a parameter is left to the enclosing unit (at
-    worst the root), which holds both uses."""
+    worst the root), which holds both uses. A unit registered under two parents holds the uses under
+    each of its paths (a tied embedding and head's shared tile: one unit, ``tiling.VocabTile``)."""
     ties = tied_parameters(model)
     if not ties:
         return units
+    paths = module_paths(model)
 
     def inside(unit: str, name: str) -> bool:
-        return not unit or name.startswith(unit + ".")
+        return not unit or any(name.startswith(p + ".") for p in paths[id(model.get_submodule(unit))])
 
     dropped = {u for u in units for a, b in ties if inside(u, a) != inside(u, b)}
     for unit in sorted(dropped):
         log.info("fsdp: %s shares a parameter with a module outside it; left to the enclosing unit", unit)
     return [u for u in units if u not in dropped]
+
+
+def _distinct(model: nn.Module, units: list[str]) -> list[str]:
+    """``units`` with a module named under two of its paths (a tied tile) kept once: it is sharded once."""
+    seen: set[int] = set()
+    out = []
+    for path in units:
+        if id(mod := model.get_submodule(path)) not in seen:
+            seen.add(id(mod))
+            out.append(path)
+    return out
 
 
 def apply_fsdp(
@@ -151,7 +169,7 @@ def apply_fsdp(
     """
     if prefetch < 0:
         raise ValueError(f"apply_fsdp: prefetch must be >= 0, got {prefetch}")
-    units = keep_ties_whole(model, resolve_units(model, list(units)))
+    units = _distinct(model, keep_ties_whole(model, resolve_units(model, list(units))))
     dp_mesh = _dp_mesh(mesh)
     kwargs = dict(
         mesh=dp_mesh,
@@ -166,9 +184,27 @@ def apply_fsdp(
     fully_shard(model, **kwargs)
     if prefetch > 0:
         modules: list[FSDPModule] = [model.get_submodule(p) for p in units]  # type: ignore[misc]
-        for i, mod in enumerate(modules):
-            if later := modules[i + 1:i + 1 + prefetch]:
-                mod.set_modules_to_forward_prefetch(later)
-            if earlier := modules[max(0, i - prefetch):i][::-1]:
-                mod.set_modules_to_backward_prefetch(earlier)
+        paths = module_paths(model)
+        set_prefetch(modules, prefetch, twice={id(m) for m in modules if len(paths[id(m)]) > 1})
     return model
+
+
+def set_prefetch(modules: list[FSDPModule], prefetch: int, twice: Collection[int] = ()) -> None:
+    """Each unit all-gathers the next ``prefetch`` units in forward and the previous ones in backward
+    (``modules`` in forward order). Units run twice per forward (``twice``, ids: a tied embedding and
+    head's tiles, run at the start and at the end) are chained only among themselves -- their order is
+    the same at both uses, what comes before and after is not, and a list fits one use only (a stray
+    prefetch holds a unit gathered until its turn). Across that boundary nothing is prefetched in
+    forward, and in backward FSDP2's implicit prefetch (of a unit with no list of its own), which
+    follows the recorded order of calls, serves both uses."""
+
+    def same_run(a: nn.Module, b: nn.Module) -> bool:
+        return (id(a) in twice) == (id(b) in twice)
+
+    for i, mod in enumerate(modules):
+        later = list(takewhile(lambda m: same_run(m, mod), modules[i + 1:i + 1 + prefetch]))
+        earlier = list(takewhile(lambda m: same_run(m, mod), modules[max(0, i - prefetch):i][::-1]))
+        if later:
+            mod.set_modules_to_forward_prefetch(later)
+        if earlier:
+            mod.set_modules_to_backward_prefetch(earlier)

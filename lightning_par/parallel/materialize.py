@@ -129,8 +129,8 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
     for path, template in templates.items():
         prefix = f"{path}." if path else ""
         names = [prefix + n for n, _ in [*template.named_parameters(), *template.named_buffers()]]
-        if not any(n in targets or n in pieces for n in names):
-            continue  # lives on another pipeline rank
+        if not any(n in targets or any(piece in targets for piece, _ in pieces.get(n, ())) for n in names):
+            continue  # lives on another pipeline rank (or is a tied head whose tiles the embedding fills)
         loaded = {n: src for n in names if weights is not None and (src := weights.find(n)) is not None}
         shapes = {prefix + n: t.shape for n, t in [*template.named_parameters(), *template.named_buffers()]}
         for key, ref in loaded.items():

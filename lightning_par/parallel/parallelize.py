@@ -9,7 +9,8 @@ meta** to **materialise**; each is marked with its name in the code below:
   ``init_trace.py``), or, for a model built with real tensors, move it to the device;
 - **tile**: the layers named in ``spec.tiling`` (``tiling.py``: a large ``nn.Linear`` becomes k
   tiles computed in turn; each tile is checkpointed in **checkpoint activations** and is an FSDP
-  unit in **fully shard**);
+  unit in **fully shard**; a tied embedding and head are tiled together, each tile one module and
+  one unit used by both);
 - **cut stages**: ``spec.cut`` keeps this rank's pipeline stages and drops the other layers;
 - **tensor parallel** on each stage (or the whole model), then **expert parallel**
   (``spec.expert_parallel``: the routed experts sharded over the ep axis, ``expert_parallel.py``);
@@ -46,7 +47,7 @@ from lightning_par.parallel.init_trace import InitTrace, tensor_refs
 from lightning_par.parallel.materialize import InitFn, capture_templates, has_meta_tensors, materialize
 from lightning_par.parallel.pretrained import weight_sources
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
-from lightning_par.parallel.tiling import apply_tiling
+from lightning_par.parallel.tiling import apply_tiling, check_tiling, with_tied_partners
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,10 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
     if not deferred:
         module.to(spec.device)
 
-    tiles = apply_tiling(module, spec.tiling) if spec.tiling else []                     # tile
+    tiling = with_tied_partners(module, spec.tiling) if spec.tiling else {}               # tile
+    if spec.tensor_parallel is not None:  # the tied partner tiled with a named layer must not be split either
+        check_tiling(tiling, plan.tp_plan)
+    tiles = apply_tiling(module, tiling) if tiling else []
     stages = spec.cut(module) if spec.cut is not None else [module]                      # cut stages
     for stage in stages:
         if spec.tensor_parallel is not None:                                             # tensor parallel

@@ -2,7 +2,9 @@
 output head). ``to_empty`` and per-module parameter replacement silently give each use its own
 copy; ``materialize`` re-ties after allocating. Tensor parallelism keeps a tie by splitting both uses
 alike (``tensor_parallel._retie_split``); pipeline stages keep a copy per stage, kept equal
-(``pipeline_ties.py``); a layout that can do neither is refused before it starts (``hf_plan.check_tied``)."""
+(``pipeline_ties.py``); a layout that can do neither is refused before it starts (``hf_plan.check_tied``).
+Tiling keeps an embedding/head tie by sharing the tile modules themselves (``tiling.VocabTile``): a
+module under two paths (``module_paths``), one FSDP unit."""
 
 from __future__ import annotations
 
@@ -19,6 +21,15 @@ def tied_parameters(model: nn.Module) -> list[tuple[str, str]]:
         else:
             first[id(p)] = name
     return pairs
+
+
+def module_paths(model: nn.Module) -> dict[int, list[str]]:
+    """Every path of each module (by id): more than one for a module registered under two parents
+    (a tied embedding and head's shared tile, ``tiling.VocabTile``), which ``named_modules`` lists once."""
+    out: dict[int, list[str]] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        out.setdefault(id(mod), []).append(path)
+    return out
 
 
 def retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
