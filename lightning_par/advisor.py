@@ -30,6 +30,13 @@ for each of them the variants a practitioner would try:
   fp32 states; CPU offload (``zero3_offload``); and when nothing else fits, memory-centric tiling
   (``strategy.tiling``) of every block linear, the head and the embedding.
 
+Models: our GPT and MoE presets (or a parameter count with its layers and width, built as a GPT), and
+the Hugging Face decoders of ``conf/model`` (``hf_llama_1b``, ``hf_qwen2_0p5b``, ...: grouped-query
+attention, gated MLPs, RMSNorm, tied embeddings, priced from the transformers model itself). A plan is
+offered for a Hugging Face model only where its strategies can run it (``_hf_refusal``: tensor
+parallelism by the model's own tp_plan and the sizes it must divide, no sequence parallelism unless
+the plan names its norms, a pipeline only by a pipeline plan), and its tiling paths are the model's.
+
 Mixture-of-experts models add expert parallelism (``expert_parallel``, ep = the largest divisor of
 the expert count within a node, the rest replicated or FSDP); its all-to-all of the routed tokens is
 on the critical path, the experts' gradient reduction it saves is not. The cost model does not price
@@ -42,10 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_par.costs import comm as comm_model
-from lightning_par.costs.activations import Shape, dtypes
+from lightning_par.costs.activations import Shape, block_linears, dtypes, hf_model, hf_plan, module_paths
 from lightning_par.costs.step_time import Device, StepTime, step_time
 from lightning_par.estimate import GIB, MemoryEstimate, bytes_per_param, estimate, layout
-from lightning_par.strategies.catalog import CATALOG, Fleet, Option, StrategyEntry
+from lightning_par.strategies.catalog import CATALOG, Fleet, Layout, Option, StrategyEntry
 
 TILES = (2, 4, 8, 16, 32, 64)
 MICRO_STEPS = (1, 2, 4, 8, 16)  # micro-batch sizes tried: the given one times these
@@ -154,10 +161,23 @@ class Advice:
                                   + (f"; {more} slower variants not shown" if more else "") + ")"])
 
 
+#: the activation each Hugging Face architecture's config defaults to (models/hf.py leaves it)
+_HF_DEFAULT_ACT = {"gpt2": "gelu_new", "llama": "silu", "qwen2": "silu"}
+
+
 def model_overrides(shape: Shape, preset: str | None, global_batch: int) -> list[str]:
     """Overrides that build exactly ``shape`` and feed it ``global_batch`` sequences per step."""
     if preset:
         out = [f"model={preset}"]
+    elif shape.hf:  # conf/model/hf_causal_lm.yaml's fields (models/hf.py)
+        out = ["model=hf_causal_lm", f"model.arch={shape.hf_arch}", f"model.hidden={shape.n_embd}",
+               f"model.layers={shape.n_layer}", f"model.heads={shape.n_head}",
+               f"model.kv_heads={shape.kv_heads or 'null'}", f"model.intermediate={shape.inner}",
+               f"model.vocab={shape.vocab_size}", f"model.max_positions={shape.block_size or shape.seq_len}",
+               f"model.tie_word_embeddings={str(shape.tied).lower()}"]
+        if shape.hidden_act != _HF_DEFAULT_ACT.get(shape.hf_arch):
+            key = "activation_function" if shape.hf_arch == "gpt2" else "hidden_act"
+            out.append(f"+model.config.{key}={shape.hidden_act}")
     else:
         out = ["model=gpt_small", "model.preset=null", f"+model.n_layer={shape.n_layer}",
                f"+model.n_embd={shape.n_embd}", f"+model.n_head={shape.n_head}",
@@ -190,13 +210,41 @@ class _Ask:
     checkpointing: bool
 
 
+def _hf_refusal(shape: Shape, lo: Layout) -> str:
+    """Why the strategies would refuse ``lo`` for a Hugging Face model ("" where they run it), from
+    the plan the model declares (``costs.activations.hf_plan``: what ``parallel/hf_plan.py`` reads,
+    the strategies' own source): tensor parallelism needs its tp_plan and a tp dividing the heads,
+    key/value heads, MLP size and vocabulary; sequence parallelism needs the plan to name the norms
+    between the splits (``parallel/tensor_parallel.check_sequence_parallel``; transformers' plans name
+    none); a pipeline needs cut points (a declared or derived pipeline plan) and a decoder layer per stage."""
+    if not shape.hf:
+        return ""
+    plan = hf_plan(shape)
+    if lo.tp > 1:
+        if not plan.tp_plan:
+            return plan.tp_refusal or f"{shape.hf_arch} declares no tensor-parallel plan"
+        bad = [f"{what} {size}" for what, size in plan.tp_divisible.items() if size % lo.tp]
+        if bad:
+            return f"tp={lo.tp} does not divide the {', '.join(bad)}"
+        if lo.sequence_parallel and "sequence_parallel" not in plan.tp_plan.values():
+            return "the model's tensor-parallel plan names no norms for sequence parallelism"
+    if lo.pp > 1:
+        if not plan.layers or plan.pp_refusal:
+            return plan.pp_refusal or f"{shape.hf_arch} has no pipeline plan"
+        if lo.pp * max(1, lo.virtual_stages) > shape.n_layer:
+            return f"{lo.pp * lo.virtual_stages} pipeline stages for {shape.n_layer} decoder layers"
+    return ""
+
+
 def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate | None:
     """One plan at one micro-batch size, or None where it cannot run (a mesh or batch that does not
-    divide, a layout the cost models do not price)."""
+    divide, a layout the cost models do not price, a Hugging Face model's strategies would refuse)."""
     shape, cluster, n = ask.shape, ask.cluster, (1 if e.name == "single" else ask.cluster.devices)
     try:
         lo = layout(e.name, n, **option.layout)
     except ValueError:
+        return None
+    if _hf_refusal(shape, lo):
         return None
     mesh = lo.mesh
     if lo.gather_bytes and (lo.tp > 1 or lo.pp > 1) and mesh.get("dp_shard", 1) <= 1:
@@ -223,7 +271,7 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
     u = shape.units()
     cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro, shape.vocab_size,
                                   shape.mlp_ratio, shape.block_size, shape.bias, shape.n_moe_layers,
-                                  shape.n_experts, shape.top_k)
+                                  shape.n_experts, shape.top_k, model=shape if shape.hf else None)
     # gradients travel in the parameters' dtype (fp32 under autocast's bf16-mixed); gathers in
     # FSDP's param_dtype where the plan sets one
     param_bytes = int(bytes_per_param(ask.precision, optimizer)[1])
@@ -413,25 +461,58 @@ def _disk_offload(fleet: Fleet, ask: _Ask, micro: int) -> list[Candidate]:
     return out
 
 
+def tiling_plan(shape: Shape, tiles: int) -> dict[str, int] | None:
+    """``strategy.tiling`` for every block's matmuls, the output head and the vocabulary embedding in
+    ``tiles`` tiles, by the model's own paths (``costs.activations.module_paths``: ``net.blocks.<i>``
+    in our GPT, ``net.model.layers.<i>`` in a Hugging Face Llama); None where ``tiles`` does not divide
+    a layer's output features. A Hugging Face model's head and embedding are named only where
+    ``parallel/tiling.py`` itself would tile them (``_vocab_tileable``: a tied pair only where it tiles
+    both uses of the shared table together)."""
+    out_features = block_linears(shape)
+    if any(f % tiles for f in out_features.values()) or shape.vocab_size % tiles:
+        return None
+    paths = module_paths(shape)
+    tiling = {f"{paths['blocks']}.{i}.{name}": tiles for i in range(shape.n_layer) for name in out_features}
+    if _vocab_tileable(shape, tiles):
+        tiling.update({paths["head"]: tiles, paths["embed"]: tiles})
+    return tiling
+
+
+def _vocab_tileable(shape: Shape, tiles: int) -> bool:
+    """Whether ``parallel/tiling.py``'s own check (``tileable``) accepts the head and the embedding of
+    the model (our GPT's: always, they are plain and untied); asked of the Hugging Face model itself."""
+    if not shape.hf:
+        return True
+    from lightning_par import ConfigError
+    from lightning_par.parallel.tiling import tileable
+
+    net, paths = hf_model(shape), module_paths(shape)
+    try:
+        for part in ("head", "embed"):
+            tileable(net, paths[part].removeprefix("net."), tiles)
+    except ConfigError:
+        return False
+    return True
+
+
 def _tiled_offload(ask: _Ask, micro: int, reasons: list[str]) -> Candidate | None:
     """ZeRO-3 + CPU offload with every large layer tiled -- each block's linears (attention and MLP),
-    the output head and the vocabulary embedding -- the fewest tiles that fit (ZeRO-Infinity)."""
+    the output head and the vocabulary embedding (``tiling_plan``) -- the fewest tiles that fit
+    (ZeRO-Infinity)."""
     shape = ask.shape
-    u = shape.units()
-    linears = [k.split(".", 1)[1] for k in u if k.startswith("block.") and k.count(".") >= 2]
-    out_features = {name: (shape.mlp_ratio * shape.n_embd if name == "mlp.fc" else shape.n_embd) for name in linears}
     e = next(e for e in CATALOG if e.name == "zero3_offload")
     for k in TILES:
-        if any(out_features[name] % k for name in linears) or shape.vocab_size % k:
+        tiling = tiling_plan(shape, k)
+        if tiling is None:
             continue
-        tiling = {f"net.blocks.{i}.{name}": k for i in range(shape.n_layer) for name in linears}
-        tiling.update({"net.head.lm_head": k, "net.embed.tok": k})
         text = "{" + ",".join(f"{p}:{t}" for p, t in tiling.items()) + "}"
         for option in _variants(e, Option((f"+strategy.tiling={text}",), {"tiling": tiling}), ask.precision):
             cand = _price(e, option, micro, ask)
             if cand is not None and cand.fits:
+                what = ("linears, the output head and the embedding" if any(
+                    p.endswith(module_paths(shape)["head"]) for p in tiling) else "linears")
                 reasons.append(f"even ZeRO-3 with offload must all-gather a whole layer; tiling every block's "
-                               f"linears, the output head and the embedding into {k} tiles (each its own FSDP unit) "
+                               f"{what} into {k} tiles (each its own FSDP unit) "
                                f"brings the peak to {cand.memory.peak / GIB:.1f} GiB")
                 return cand
     return None

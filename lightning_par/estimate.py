@@ -37,8 +37,8 @@ from lightning_par.dtypes import dtype_bytes, parse_dtype
 from lightning_par.strategies.catalog import CATALOG, entry
 
 __all__ = ["GIB", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "MemoryEstimate", "Shape", "bytes_per_param",
-           "estimate", "estimate_all", "estimate_traced", "estimate_table", "layout", "model_shape",
-           "optimizer_state_bytes", "strategy_layout"]
+           "estimate", "estimate_all", "estimate_traced", "estimate_table", "hf_presets", "layout",
+           "model_shape", "optimizer_state_bytes", "preset_names", "strategy_layout"]
 
 GIB = 2**30
 #: the data-parallel family, the rows of the default table (the catalogue's ``family`` entries)
@@ -248,17 +248,76 @@ def _resolve(model: Any, shape: Shape | None) -> tuple[int, Shape | None]:
 
 
 def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
-    """(parameter count, shape) of the GPT or MoE decoder that ``model=<name>`` builds (its preset)."""
+    """(parameter count, shape) of the decoder that ``model=<name>`` builds: a GPT or MoE preset, or
+    a Hugging Face one of ``conf/model`` (``hf_presets``). ``seq_len`` defaults to the preset's
+    longest sequence (``block_size``; ``max_positions``)."""
     from lightning_par.models.gpt import PRESETS
     from lightning_par.models.module import GPTModule
     from lightning_par.models.moe import PRESETS as MOE_PRESETS
     from lightning_par.models.moe_module import MoEModule
 
     if name not in PRESETS and name not in MOE_PRESETS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join([*PRESETS, *MOE_PRESETS])}")
+        if name not in hf_presets():
+            raise ValueError(f"unknown model {name!r}; choose one of {', '.join(preset_names())}")
+        shape = _hf_preset_shape(name, seq_len)
+        return shape.units()["total"], shape
     module = GPTModule(preset=name) if name in PRESETS else MoEModule(preset=name)
     shape = Shape.of(module.config, seq_len)
     return shape.units()["total"], shape
+
+
+def preset_names() -> list[str]:
+    """Every name ``model_shape`` accepts: the GPT and MoE presets, then the Hugging Face ones."""
+    from lightning_par.models.gpt import PRESETS
+    from lightning_par.models.moe import PRESETS as MOE_PRESETS
+
+    return [*PRESETS, *MOE_PRESETS, *hf_presets()]
+
+
+def hf_presets() -> tuple[str, ...]:
+    """The ``conf/model`` configs that build a Hugging Face decoder the estimator has a shape for
+    (``models/hf.py``'s ``HFCausalLM`` of an architecture in ``costs.activations.HF_ARCHS``): read
+    from the YAML files themselves, following each one's ``defaults`` within the model group."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    from lightning_par.costs.activations import HF_ARCHS
+
+    group = files("lightning_par.conf") / "model"
+
+    def field(name: str, key: str) -> str:
+        node = OmegaConf.load(str(group / f"{name}.yaml"))
+        if key in node:
+            return str(node[key])
+        parents = [d for d in node.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+        return next((v for d in reversed(parents) if (v := field(d, key))), "")
+
+    names = sorted(f.name.removesuffix(".yaml") for f in group.iterdir() if f.name.endswith(".yaml"))
+    return tuple(n for n in names if field(n, "_target_").endswith(".HFCausalLM") and field(n, "arch") in HF_ARCHS)
+
+
+def _hf_preset_shape(name: str, seq_len: int | None) -> Shape:
+    """The shape of the Hugging Face model ``model=<name>`` builds: the app's config composed with that
+    override (and ``data.seq_len``), the model instantiated as a run does (``HFCausalLM`` makes the
+    transformers config; no layer is built), its config read (``Shape.of_hf``)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    overrides = [f"model={name}"] + ([f"data.seq_len={seq_len}"] if seq_len else [])
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: compose beside it (as facts.py does)
+        cfg = compose("config", overrides=overrides).model
+    else:
+        with initialize_config_module("lightning_par.conf", version_base="1.3"):
+            cfg = compose("config", overrides=overrides).model
+    try:
+        module = instantiate(cfg)
+    except Exception as e:  # hydra wraps the constructor's error: show the cause in one line
+        cause = e.__cause__ or e
+        raise ValueError(f"model={name}: {type(cause).__name__}: {cause}") from None
+    # without seq_len: the longest sequence the model takes (max_positions; the tiny presets tie it to data.seq_len)
+    return Shape.of_hf(module.hf_config, seq_len)
 
 
 def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int], accumulate: int = 1) -> Layout:

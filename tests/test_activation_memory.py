@@ -65,3 +65,104 @@ def test_the_cases_exercise_every_term():
     assert any(8 * s.vocab_size > 16 * s.n_layer * s.n_embd for s in shapes)  # loss buffers > all layers
     assert {c[6] for c in CASES.values()} == {"32-true", "bf16-mixed"} and {c[7] for c in CASES.values()} == {True, False}
     assert {attention_kernel(s, "cpu") for s in shapes} == {"fused", "math"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face decoders (models/hf.py): grouped-query attention, gated MLPs, RMSNorm, tied heads
+
+HF_TOLERANCE = 0.10  # measured ratios 0.998-1.064 (checkpointing the highest)
+
+
+def hf_shape(arch: str, L: int, h: int, a: int, kv: int, f: int, V: int, T: int, tied: bool = False) -> Shape:
+    """The shape ``models/hf.py`` builds for these sizes (through the transformers config itself)."""
+    from lightning_par.models.hf import hf_config
+
+    cfg = hf_config(arch, hidden=h, layers=L, heads=a, kv_heads=kv if arch != "gpt2" else None, intermediate=f,
+                    vocab=V, max_positions=T, tie_word_embeddings=tied)
+    return Shape.of_hf(cfg, T)
+
+
+def hf_net(shape: Shape, checkpointing: bool = False) -> torch.nn.Module:
+    from lightning_par.models.hf import LogitsOnly, _transformers
+    from lightning_par.parallel.hf_plan import hf_blocks
+
+    torch.manual_seed(0)
+    cfg = shape.hf_config()
+    net = LogitsOnly(_transformers().AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")).train()
+    if checkpointing:
+        apply_activation_checkpointing(net, blocks=[f"net.{b}" for b in hf_blocks(net.net)])
+    return net
+
+
+# (arch, n_layer, hidden, heads, kv_heads, mlp_hidden, vocab, seq_len, tied, batch, precision, checkpointing)
+HF_CASES = {
+    "llama-gqa-4-2-bf16": ("llama", 2, 64, 4, 2, 128, 256, 64, False, 4, "bf16-mixed", False),
+    "llama-mqa-long-seq-fp32": ("llama", 2, 32, 4, 1, 96, 256, 256, False, 2, "32-true", False),
+    "llama-tied-large-vocab-bf16": ("llama", 2, 64, 4, 2, 128, 8192, 64, True, 4, "bf16-mixed", False),
+    "llama-checkpointing-fp32": ("llama", 4, 64, 4, 2, 128, 256, 128, False, 4, "32-true", True),
+    "qwen2-bf16": ("qwen2", 2, 64, 4, 2, 128, 256, 64, True, 4, "bf16-mixed", False),
+    "gpt2-tied-fp32": ("gpt2", 2, 64, 4, 4, 256, 256, 64, True, 4, "32-true", False),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_estimate_peak_within_10_percent_of_memtracker(case):
+    """The estimator's peak for a Hugging Face decoder (its op-by-op shape, not a trace) against
+    MemTracker on one real CPU step of the transformers model itself."""
+    arch, L, h, a, kv, f, V, T, tied, B, precision, ckpt = HF_CASES[case]
+    shape = hf_shape(arch, L, h, a, kv, f, V, T, tied)
+    est = estimate(shape, devices=1, strategy="single", precision=precision, optimizer="adamw",
+                   micro_batch_size=B, checkpointing=ckpt, device="cpu")
+    got = memtracker_step_peak(hf_net(shape, ckpt), V, B, T, precision)
+    assert abs(est.peak - got) <= HF_TOLERANCE * got, (
+        f"{case}: estimated peak {est.peak:,} B ({est.moment}), MemTracker {got:,} B, ratio {est.peak / got:.3f}")
+
+
+def saved_bytes_of_layer(net: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, precision: str) -> int:
+    """Bytes of the tensors autograd first saves inside ``layer`` during a forward (each storage once;
+    parameters and what earlier layers saved -- RoPE's shared cos/sin -- left out, autocast's weight
+    copies in), counted with ``saved_tensors_hooks``."""
+    from contextlib import nullcontext
+
+    from lightning_par.models.module import ParModule
+
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    seen: dict[int, tuple[bool, int]] = {}  # storage -> (first saved inside the layer, bytes)
+    inside = [False]
+    hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+             layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), (inside[0], storage.nbytes()))
+        return t
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        ParModule.loss_fn(net(x), x)
+    for hook in hooks:
+        hook.remove()
+    return sum(n for mine, n in seen.values() if mine)
+
+
+@pytest.mark.parametrize("arch,kv,precision", [("llama", 2, "32-true"), ("llama", 2, "bf16-mixed"),
+                                               ("llama", 1, "bf16-true"), ("qwen2", 2, "bf16-mixed"),
+                                               ("gpt2", 4, "32-true"), ("gpt2", 4, "bf16-mixed")])
+def test_hf_layer_saves_what_the_estimator_counts(arch, kv, precision):
+    """A decoder layer's saved tensors, to the byte: the RMSNorm statistics, one autocast copy of a
+    norm's output per linear reading it, k and v at the key/value heads' width, the gated MLP's four
+    inner tensors (GPT-2: the fused qkv and gelu_new's Python ops) -- ``hf_layer_bytes_per_token``
+    times the tokens, plus autocast's copies of the layer's weights."""
+    from lightning_par.costs.activations import layer_bytes_per_token, weight_copy_bytes
+
+    B, T = 2, 64
+    shape = hf_shape(arch, 2, 64, 4, kv, 128 if arch != "gpt2" else 256, 256, T)
+    net = hf_net(shape)
+    if precision == "bf16-true":
+        net = net.to(torch.bfloat16)
+    layers = net.net.model.layers if arch != "gpt2" else net.net.transformer.h
+    got = saved_bytes_of_layer(net, layers[1], torch.randint(0, 256, (B, T)), precision)
+    want = layer_bytes_per_token(shape, precision, device="cpu") * B * T + weight_copy_bytes(
+        shape.units()["block_matmul"], precision)
+    assert got == want, f"{arch} kv={kv} {precision}: saved {got:,} B, estimated {want:,.0f} B"

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_par.advisor import Cluster, advise
 from lightning_par.modes.advise import main
@@ -366,5 +367,113 @@ def test_estimator_splits_the_disk_tier_between_host_and_disk():
     cpu = estimate("gpt2_large", devices=1, strategy="zero3_offload", precision="32-true", device="cpu")
     disk = estimate("gpt2_large", devices=1, strategy="zero3_offload", precision="32-true", device="cpu",
                     disk_offload=True)
-    assert disk.on_disk == cpu.offloaded and cpu.on_disk == 0 and disk.peak == cpu.peak
+    assert disk.on_disk == cpu.offloaded and cpu.on_disk == 0
     assert disk.offloaded < cpu.offloaded / 4
+    # on a CPU the host is the device: the peak holds what the host holds, so the tier lowers it ...
+    assert cpu.peak - disk.peak >= cpu.offloaded - disk.offloaded - 2**20 > 0
+    # ... while a GPU's peak does not see where the host keeps the states
+    on_gpu = [estimate("gpt2_large", devices=1, strategy="zero3_offload", precision="32-true", disk_offload=d)
+              for d in (False, True)]
+    assert on_gpu[0].peak == on_gpu[1].peak and on_gpu[0].peak < disk.peak
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face presets (conf/model/hf_*.yaml): priced from the transformers model, plans it can run
+
+#: a Hugging Face preset shrunk through hf_causal_lm's fields (tp=2 divides its 2 key/value heads)
+HF_SCALE = {"model.hidden": "64", "model.layers": "4", "model.heads": "4", "model.kv_heads": "2",
+            "model.intermediate": "128", "model.vocab": "256", "model.max_positions": "32"}
+
+
+def hf_scaled(command: str, devices: int) -> list[str]:
+    return [w for w in scaled(command, devices) if not w.startswith("+model.")] + [
+        f"{k}={v}" for k, v in HF_SCALE.items()]
+
+
+@pytest.mark.parametrize("args,devices", [
+    (["--nodes", "1", "--devices-per-node", "8", "--device-memory", "80"], 2),
+    (["--devices-per-node", "1", "--device-memory", "8"], 1),
+    (["--nodes", "4", "--inter-node-gbs", "3"], 8),  # 3d x bf16 gathers: scaled, 8 ranks keep an FSDP axis
+])
+def test_hf_llama_1b_gets_a_plan_whose_command_builds(args, devices, tmp_path: Path):
+    """``--model hf_llama_1b`` (Llama-3.2-1B's shape) is priced and answered; the command runs the app
+    with ``model=hf_llama_1b`` at its 2048 positions, and scaled down it composes, builds and passes the
+    app's checks. Sequence parallelism is never offered: transformers' tp_plan names no norms."""
+    from lightning_par.train import build, validate
+    from tests.helpers import composed
+
+    out = advisor(["--model", "hf_llama_1b", *args])
+    strategy = out.splitlines()[0].removeprefix("Recommended: ")
+    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
+    assert command.startswith(f"python run.py strategy={strategy} model=hf_llama_1b data.seq_len=2048 "), out
+    rows = _table(out)
+    assert rows and not any(" sp" in f" {label} " for label in rows), out
+    cfg = composed(*hf_scaled(command, devices), tmp=tmp_path)
+    parts = build(cfg)
+    assert validate(cfg, parts["strategy"], parts["model"], parts["datamodule"]) == devices
+
+
+def test_hf_plans_the_model_cannot_run_are_not_offered():
+    """Tensor parallelism only where tp divides the model's sizes (Qwen2-0.5B's 2 key/value heads: not 8),
+    never with sequence parallelism; Llama-3.2-1B's 8 key/value heads take tp=8 within a node."""
+    from lightning_par.advisor import _hf_refusal
+    from lightning_par.estimate import layout
+
+    _, qwen = model_shape("hf_qwen2_0p5b")
+    a = advise(qwen, Cluster(2, 8, 80), preset="hf_qwen2_0p5b")
+    assert a.strategy and not any(c.memory.mesh.get("tp", 1) > 1 for c in a.candidates)
+    assert "key/value heads 2" in _hf_refusal(qwen, layout("fsdp_tp", 8, tp=8))
+    _, llama = model_shape("hf_llama_1b")
+    b = advise(llama, Cluster(2, 8, 80), preset="hf_llama_1b")
+    assert any(c.memory.mesh.get("tp", 1) == 8 for c in b.candidates)
+    assert not any("strategy.sequence_parallel=true" in c.overrides for c in b.candidates)
+    assert "sequence parallelism" in _hf_refusal(llama, layout("fsdp_tp", 8, tp=8, sequence_parallel=True))
+
+
+def test_hf_tiling_paths_are_the_models(tmp_path: Path):
+    """The tiled-offload plan names the Hugging Face model's own layers (net.model.layers.<i>.self_attn.q_proj,
+    ...), each one ``parallel/tiling.py`` accepts in the module the app builds; the estimator reads them
+    as tiles (the largest unit shrinks)."""
+    from hydra.utils import instantiate
+
+    from lightning_par.advisor import tiling_plan
+    from lightning_par.estimate import estimate, layout
+    from lightning_par.parallel.tiling import tileable
+    from tests.helpers import composed
+
+    _, shape = model_shape("hf_llama_tiny")
+    tiling = tiling_plan(shape, 2)
+    assert {"net.model.layers.1.self_attn.k_proj", "net.model.layers.0.mlp.down_proj", "net.lm_head",
+            "net.model.embed_tokens"} <= set(tiling) and len(tiling) == 2 * 7 + 2
+    module = instantiate(composed("model=hf_llama_tiny", tmp=tmp_path).model)
+    with torch.device("meta"):
+        module.configure_model()
+    for path, k in tiling.items():
+        tileable(module, path, k)
+    whole, tiled = (estimate(shape, devices=2, strategy="fsdp", precision="32-true",
+                             layout_=layout("fsdp", 2, tiling=t)) for t in ({}, tiling))
+    assert tiled.peak < whole.peak
+    assert tiling_plan(shape, 3) is None  # 3 divides no layer's output features
+
+
+def test_hf_shape_without_a_preset_gets_overrides_that_build_it(tmp_path: Path):
+    """``advise`` on a Hugging Face shape of no preset writes hf_causal_lm's fields: they compose into
+    the same shape."""
+    from hydra.utils import instantiate
+
+    from lightning_par.advisor import model_overrides
+    from tests.helpers import composed
+
+    _, shape = model_shape("hf_qwen2_0p5b")
+    words = model_overrides(shape, None, 8)
+    assert words[0] == "model=hf_causal_lm" and "model.kv_heads=2" in words
+    module = instantiate(composed(*words, tmp=tmp_path).model)
+    assert Shape.of_hf(module.hf_config, shape.seq_len) == shape
+
+
+def test_help_lists_every_accepted_model() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["--help"])
+    for name in ("gpt2", "gpt_7b", "moe_8x_top2", "hf_llama_1b", "hf_qwen2_0p5b", "hf_llama_tiny", "hf_gpt2_tiny"):
+        assert name in out.getvalue()

@@ -200,3 +200,50 @@ def test_fsdp_without_gradient_sync_holds_full_gradients(tmp_path) -> None:
     assert last["grads"] == pytest.approx(4 * n_params, rel=1e-3) and every["grads"] == pytest.approx(last["grads"] / 8, rel=1e-2)
     assert last["peak"] > every["peak"] + 0.8 * (last["grads"] - every["grads"])
     assert once["grads"] == fsdp_row()["grads"]
+
+
+@pytest.mark.parametrize("name,total", [("hf_llama_1b", 1_235_814_400), ("hf_qwen2_0p5b", 494_032_768)])
+def test_hf_preset_counts_are_the_transformers_models(name, total) -> None:
+    """A Hugging Face preset's shape and ``units`` come from the model the app builds: the composed
+    ``model=<name>`` config, ``HFCausalLM`` on the meta device. The tied head counts once in the total;
+    the layer's, the embedding's and the head's counts and each linear's are the model's own; tensor
+    parallelism splits every matrix (vocabulary rows of the shared table included), not the norms."""
+    from hydra.utils import instantiate
+
+    from lightning_par.costs.comm import CommShape
+    from tests.helpers import composed
+
+    n, shape = model_shape(name)
+    module = instantiate(composed(f"model={name}", f"data.seq_len={shape.seq_len}").model)
+    net = module.build_hf("meta")
+    layer, cfg, u = net.model.layers[0], module.hf_config, shape.units()
+    assert n == u["total"] == sum(p.numel() for p in net.parameters()) == total  # a shared parameter once
+    assert u["block"] == sum(p.numel() for p in layer.parameters())
+    assert {k: v for k, v in u.items() if k.startswith("block.")} == {
+        f"block.{path}": m.weight.numel() for path, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert u["embed"] == u["embed_table"] == u["lm_head"] == u["tied"] == net.model.embed_tokens.weight.numel()
+    assert net.lm_head.weight is net.model.embed_tokens.weight and u["head"] == u["lm_head"] + cfg.hidden_size
+    sizes = (shape.n_layer, shape.n_embd, shape.n_head, shape.n_kv_heads, shape.inner, shape.vocab_size, shape.seq_len)
+    assert sizes == (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                     cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings)
+    assert shape.gated_mlp and shape.rms_norm and shape.tied and not shape.learned_positions
+    assert layer.self_attn.k_proj.weight.shape[0] == shape.kv_width < shape.n_embd  # grouped-query attention
+    norms = (2 * shape.n_layer + 1) * shape.n_embd
+    cs = CommShape(shape.n_layer, shape.n_embd, shape.seq_len, 1, shape.vocab_size, model=shape)
+    assert cs.tp_params(2) == (total - norms) // 2 + norms and cs.root_params() == u["embed"] + cfg.hidden_size
+
+
+def test_hf_preset_estimates() -> None:
+    """The estimator's table for a Hugging Face preset; its sequence defaults to max_positions and can
+    be shorter, never longer; an architecture the activation model does not describe is refused."""
+    n, shape = model_shape("hf_llama_1b", 1024)
+    assert shape.seq_len == 1024 and n == model_shape("hf_llama_1b")[0]
+    one = estimate("hf_llama_1b", devices=1, strategy="single", precision="bf16-mixed")
+    assert one.params == 4 * n and one.optimizer_state == 8 * n and one.activations > 0
+    with pytest.raises(ValueError, match="exceeds max_positions"):
+        model_shape("hf_llama_1b", 4096)
+    from lightning_par.models.hf import hf_config
+
+    with pytest.raises(ValueError, match="no op-by-op shape for a 'gemma2'"):
+        Shape.of(hf_config("gemma2", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256,
+                           max_positions=64, tie_word_embeddings=True, attn_implementation="eager"))

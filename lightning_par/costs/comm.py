@@ -53,41 +53,62 @@ class CommShape:
     moe_layers: int = 0
     n_experts: int = 0
     top_k: int = 0
+    # the estimator's shape of another decoder than our GPT (a Hugging Face one: its parameters,
+    # tied head, norms and linears are its own); None: the GPT of the sizes above
+    model: Shape | None = None
 
     @property
     def shape(self) -> Shape:
         """The model's shape for the estimator (heads do not change parameter counts: one)."""
+        if self.model is not None:
+            return self.model
         return Shape(self.layers, self.hidden, 1, self.vocab, self.seq, self.mlp_ratio, bias=self.bias,
                      block_size=self.max_positions or self.seq)
 
     # parameter groups of the GPT, counted from the model built on the meta device (``Shape.units``:
-    # the one parameter count) and split as its declared tensor-parallel plan splits them
+    # the one parameter count) and split as its declared tensor-parallel plan splits them; a tied head
+    # shares its table with the embedding (both split alike, by vocabulary rows): counted once
     def tp_params(self, tp: int) -> int:
         """Parameters one tensor-parallel rank holds: split matrices / tp, replicated rest in full."""
         u = self.shape.units()
-        split = self.layers * u["block_tp_split"] + u["embed_tp_split"] + u["head_tp_split"]
-        dense = u["embed"] + self.layers * u["block"] + u["head"]
+        tied = u.get("tied", 0)
+        split = self.layers * u["block_tp_split"] + u["embed_tp_split"] + u["head_tp_split"] - tied
+        dense = u["embed"] + self.layers * u["block"] + u["head"] - tied
         return split // tp + dense - split
 
     def root_params(self, tp: int = 1) -> int:
         """Parameters FSDP leaves to the root (no unit claims them): embeddings, final norm, head."""
         u = self.shape.units()
-        split = u["embed_tp_split"] + u["head_tp_split"]
-        return split // tp + u["embed"] + u["head"] - split
+        tied = u.get("tied", 0)
+        split = u["embed_tp_split"] + u["head_tp_split"] - tied
+        return split // tp + u["embed"] + u["head"] - tied - split
 
     def param_tensors(self) -> int:
         """Parameter tensors of the dense GPT. MoE blocks are counted as dense ones: the count only
         prices zero2's per-step 4-byte flags, a rounding error beside Ψ."""
         u = self.shape.units()
-        return u["embed_tensors"] + self.layers * u["block_tensors"] + u["head_tensors"]
+        return u["embed_tensors"] + self.layers * u["block_tensors"] + u["head_tensors"] - (1 if u.get("tied") else 0)
 
     def activation_bytes(self, dtype_bytes: int) -> int:
         return self.micro_batch * self.seq * self.hidden * dtype_bytes
 
     @property
     def norm_params(self) -> int:
-        """Parameters of one LayerNorm (weight, and bias when the GPT has biases)."""
+        """Parameters of one LayerNorm (weight, and bias when the GPT has biases); an RMSNorm's weight."""
+        if self.model is not None and self.model.rms_norm:
+            return self.hidden
         return self.hidden * (2 if self.bias else 1)
+
+    @property
+    def colwise(self) -> int:
+        """Column-parallel linears per layer, each all-reducing its input gradient in backward (our
+        GPT: wq, wk, wv, fc; ``Shape.colwise_inputs``)."""
+        return self.model.colwise_inputs if self.model is not None else 4
+
+    @property
+    def position_table(self) -> bool:
+        """A learned position table (its gradient is gathered from sequence slices under SP); not RoPE's."""
+        return self.model.learned_positions if self.model is not None else True
 
 
 def _add(out: dict, kind: str, axis: str, nbytes: float) -> None:
@@ -104,7 +125,8 @@ def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward:
 
     Without sequence parallelism: forward all-reduces after the embedding and after every rowwise
     linear (wo, proj): 2L + 1; backward all-reduces the input gradient of every colwise linear (wq,
-    wk, wv, fc, lm_head): 4L + 1; the logits are all-gathered over the vocabulary (B*T*V).
+    wk, wv, fc, lm_head): 4L + 1 (``CommShape.colwise`` per layer: 5 with a gated MLP's gate and up,
+    2 with GPT-2's fused c_attn); the logits are all-gathered over the vocabulary (B*T*V).
 
     With it (``parallel/tensor_parallel.py``): the all-reduces become reduce-scatters onto the sequence
     shard (the embedding's and every rowwise output's, 2L + 1, forward) and all-gathers of it (the
@@ -119,11 +141,12 @@ def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward:
     L = shape.layers
     logits = shape.micro_batch * shape.seq * shape.vocab * b
     if not sp:
-        _add(out, "all_reduce", "tp", n_forward * ((2 * L + 1) + (4 * L + 1)) * a)
+        _add(out, "all_reduce", "tp", n_forward * ((2 * L + 1) + (shape.colwise * L + 1)) * a)
         _add(out, "all_gather", "tp", n_forward * logits)
         return
+    positions = shape.seq * shape.hidden * b * shape.position_table
     _add(out, "reduce_scatter", "tp", n_forward * (4 * L + 2) * a)
-    _add(out, "all_gather", "tp", n_forward * ((4 * L + 2) * a + logits + shape.seq * shape.hidden * b))
+    _add(out, "all_gather", "tp", n_forward * ((4 * L + 2) * a + logits + positions))
     _add(out, "all_reduce", "tp", n_forward * (2 * L + 1) * shape.norm_params * b)
 
 
@@ -154,11 +177,11 @@ def _pipeline_rank(shape: CommShape, pp: int, m: int, b: int, schedule: str, vir
             if sp:
                 ends = first + last
                 _add(out, "reduce_scatter", "tp", m * (4 * layers + ends) * a)
-                _add(out, "all_gather", "tp", m * ((4 * layers + ends) * a + first * shape.seq * shape.hidden * b)
-                     + logits)
+                _add(out, "all_gather", "tp", m * ((4 * layers + ends) * a + first * shape.seq * shape.hidden * b
+                                                   * shape.position_table) + logits)
                 _add(out, "all_reduce", "tp", (2 * layers + last) * shape.norm_params * b)
             else:
-                _add(out, "all_reduce", "tp", m * (6 * layers + first + last) * a)
+                _add(out, "all_reduce", "tp", m * ((2 + shape.colwise) * layers + first + last) * a)
                 _add(out, "all_gather", "tp", logits)
     if pp > 1:
         _add(out, "all_reduce", "pp", 4)  # the mean micro-batch loss, shared by every stage (fp32 scalar)
@@ -365,6 +388,9 @@ def _pipeline_dp(s: _Step, tp: int | None) -> None:
     mine = s.stage_params if s.stage_params is not None else (s.shape.tp_params(tp) if tp else s.P) // s.pp
     s.fsdp(mine, 0, "dp_shard", False)
     _add(s.out, "all_reduce", "dp_replicate", mine * s.b * (s.rep > 1))
+    tied = s.shape.shape.units().get("tied", 0) if s.shape is not None and s.shape.model is not None else 0
+    if tied and s.pp > 1:  # the first and last stages sum their copies' gradients (parallel/pipeline_ties.py)
+        _add(s.out, "all_reduce", "pp", tied // (tp or 1) // max(1, s.shard) * s.b)
 
 
 def _pipeline_only(s: _Step) -> None:

@@ -16,7 +16,9 @@ The peak of a step is the largest of (docs/cost_model.md):
   ``.grad``s and the flat copy it reduce-scatters from).
 
 Offloaded states (``zero3_offload`` / ``fsdp cpu_offload``) live in host memory: the device holds
-the gathered units, one unit's gradient and the activations. With the disk tier (``offload_dir``) they
+the gathered units, one unit's gradient and the activations. On a CPU (``device="cpu"``) the host is
+the device: ``peak`` then includes the offloaded states, and the host's optimizer step (the states and
+foreach Adam's state-sized temporary) is one of its moments. With the disk tier (``offload_dir``) they
 live in files (``on_disk``) and host memory holds the optimizer step's chunks (``states.disk_tier_resident``).
 """
 
@@ -39,10 +41,11 @@ class Peak:
     peak: int
     moment: str  # where the peak falls
     on_disk: int = 0  # the disk tier's files (``offloaded`` is then what its step pages into host memory)
+    shared_host: int = 0  # offloaded bytes ``peak`` includes: on a CPU the host is the device
 
     @property
     def transient(self) -> int:
-        return max(0, self.peak - self.params - self.grads - self.optimizer_state - self.activations)
+        return max(0, self.peak - self.params - self.grads - self.optimizer_state - self.activations - self.shared_host)
 
 
 def step_peak(shape: act.Shape, layout: Layout, *, micro_batch_size: int, precision: str, optimizer: str,
@@ -71,7 +74,9 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     dense_part, expert_part, block_unit = layer_params(shape, u, lay)
     block = dense_part + expert_part  # the average layer
     embed = u["embed"] / tp if has_embed else 0
-    head = u["head"] / tp if has_head else 0
+    # a head tied to the embedding (Hugging Face's tie_word_embeddings) shares its table where both are
+    # on this rank; a pipeline's first and last stages each hold a copy (parallel/pipeline_ties.py)
+    head = (u["head"] - (u.get("tied", 0) if has_embed else 0)) / tp if has_head else 0
     local = embed + layers * block + head
     shard = lay.shard if lay.params_sharded or lay.opt_sharded or lay.grads in ("zero2", "fsdp") else 1
     experts = layers * expert_part  # sharded over their own data axis (expert parallelism x FSDP)
@@ -83,7 +88,11 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     if lay.grads == "accumulate" or lay.unsharded_grads:
         grads_steady = g * local  # held between backward and the step (freed by zero_grad)
     host = 0
+    host_temp = 0.0
     if lay.cpu_offload:
+        # the step runs on the host over the offloaded states: torch's foreach Adam (optim.py) adds one
+        # state-sized temporary there, as on a device
+        host_temp = opt / 2 if optimizer in ("adamw", "adam") else 0.0
         host, params, opt, grads_steady = int(params + opt + grads_steady), 0, 0, 0
 
     # activations per micro-batch: FSDP mixed precision's bf16 parameters make a 32-true run compute in
@@ -94,8 +103,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel,
                                    selective=selective)
     # a tiled linear is checkpointed tile by tile (parallel/parallelize.py): one tile's weight copy at a time
-    tiled = {k: v for k, v in lay.tiling.items() if ".blocks." in f".{k}"}
-    names = {"block." + k.split(".blocks.", 1)[1].split(".", 1)[1]: v for k, v in tiled.items()}
+    names = {part: v for k, v in lay.tiling.items() if (part := act.tiled_part(shape, k)) and part.startswith("block.")}
     matmul = u["block_matmul"] - sum(u[n] for n in names if n in u) + max([u[n] / k for n, k in names.items()
                                                                             if n in u] or [0])
     if shape.n_moe_layers:  # the average layer: an MoE layer multiplies by its router, shared expert and local experts
@@ -114,7 +122,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     unit_max = block_unit
     if lay.grads == "fsdp":
         gb = lay.gather_bytes or p
-        root, unit_max = fsdp_units(u, lay, has_embed, has_head, block_unit, embed, head)
+        root, unit_max = fsdp_units(u, lay, has_embed, has_head, block_unit, embed, head, shape)
         gathered_root = gb * root
         gathered_unit = gb * unit_max * (1 + lay.prefetch)
         if shard == 1 and not lay.cpu_offload:
@@ -155,9 +163,20 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     act_bytes = saved_all
     on_disk = 0
     if lay.disk_offload and host:
-        on_disk, host = host, disk_tier_resident(host, psi_shard, largest)
+        on_disk, resident = host, disk_tier_resident(host, psi_shard, largest)
+        host_temp *= resident / host  # its step runs chunk by chunk: a chunk's temporary
+        host = resident
+    shared = 0
+    if lay.cpu_offload and device == "cpu":
+        # on a CPU the host is the device: every moment also holds the offloaded states, and the host's
+        # optimizer step is a moment of its own (bench_tiled_rss: without it zero3_offload's estimate was
+        # 0.81 of the measured RSS)
+        shared = host
+        moments = {k: v + host for k, v in moments.items()}
+        moments["optimizer step"] = host + host_temp
+        moment = max(moments, key=moments.get)
     return Peak(int(params), int(grads_steady), int(opt), int(host), int(act_bytes), int(moments[moment]), moment,
-                int(on_disk))
+                int(on_disk), shared)
 
 
 def layer_params(shape: act.Shape, u: dict, lay: Layout) -> tuple[float, float, float]:
@@ -177,26 +196,40 @@ def layer_params(shape: act.Shape, u: dict, lay: Layout) -> tuple[float, float, 
 
 
 def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: float, embed: float,
-               head: float) -> tuple[float, float]:
+               head: float, shape: act.Shape | None = None) -> tuple[float, float]:
     """(root unit, largest other unit) in parameters on one rank: the root holds what no unit claims
     (embedding, final norm, head); blocks are units; each tile of a tiled layer is a unit of its own
-    (``parallel/tiling.py``: ``net.head.lm_head``, ``net.embed.tok`` or ``net.blocks.<i>.<path>``;
-    every block is assumed tiled alike)."""
+    (``parallel/tiling.py``: ``net.head.lm_head``, ``net.embed.tok`` or ``net.blocks.<i>.<path>``,
+    a Hugging Face model's own paths by ``shape``: ``costs/activations.tiled_part``; every block is
+    assumed tiled alike)."""
     tp = lay.tp
     tiles, block_unit, root = [], block, embed + head
+    shared, shared_done = u.get("tied", 0), False
     for path, k in lay.tiling.items():
-        if path.endswith("head.lm_head") and has_head:
+        part = act.tiled_part(shape, path) if shape is not None else act.tiled_part(_GPT, path)
+        if part in ("head", "embed") and shared:
+            # a tied table is tiled once, for both its uses, whichever is named (parallel/tiling.py): the
+            # root held it once (or, on one pipeline stage, its copy)
+            if not shared_done and (has_embed or has_head):
+                root -= shared / tp
+                tiles.append(shared / tp / k)
+            shared_done = True
+        elif part == "head" and has_head:
             root -= u["lm_head"] / tp
             tiles.append(u["lm_head"] / tp / k)
-        elif path.endswith("embed.tok") and has_embed:  # the vocabulary in row tiles
+        elif part == "embed" and has_embed:  # the vocabulary in row tiles
             root -= u["embed_table"] / tp
             tiles.append(u["embed_table"] / tp / k)
-        elif ".blocks." in f".{path}":
-            name = "block." + path.split(".blocks.", 1)[1].split(".", 1)[1]
+        elif part and part.startswith("block."):
+            name = part
             if name in u:
                 block_unit -= u[name] / tp  # the layer's tiles are units of their own
                 tiles.append(u[name] / tp / k)
     return root, max([block_unit, *tiles])
+
+
+#: a GPT shape: ``fsdp_units`` called without one reads our GPT's tiling paths
+_GPT = act.Shape(1, 1, 1, 1, 1)
 
 
 def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, full_layer, embed_saved, head_saved,

@@ -16,7 +16,8 @@
   expert-parallel (all-to-all) and pipeline traffic, ZeRO-2's one reduce-scatter after backward, the
   collectives after the optimizer step (ZeRO-1's broadcast, ZeRO-2's all-gather) and the mesh
   strategies' average of replicated gradients after backward sit on the critical path, exposed whole.
-  Each critical-path collective also costs its start-up latency (``latency_us``: per layer TP's 6,
+  Each critical-path collective also costs its start-up latency (``latency_us``: per layer TP's 6
+  (2 + ``Shape.colwise_inputs``: 7 with a gated MLP),
   expert parallelism's 4 all-to-alls per MoE layer and 2 more under recomputation, 2 pipeline
   transfers per micro-batch and stage), which dominates for small models. ``Device.overlap`` is the
   share of the overlappable traffic a device really hides: 1 on a GPU (its own streams), 0 on a CPU
@@ -166,7 +167,7 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
     forwards = micro_batches if pp > 1 else accumulate
     calls = 0
     if tp > 1:
-        calls += forwards * (6 * shape.n_layer // pp + 2)
+        calls += forwards * ((2 + shape.colwise_inputs) * shape.n_layer // pp + 2)  # GPT: 6 per layer
     if int(mesh.get("ep", 1)) > 1:
         calls += forwards * shape.n_moe_layers * (6 if recompute else 4)
     if pp > 1:

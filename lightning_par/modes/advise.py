@@ -1,6 +1,7 @@
 """``python -m lightning_par.modes.advise``: the strategy advisor (``lightning_par/advisor.py``) on a
-command line: the model (a preset, or a parameter count with its layers and width) and the cluster
-in, the recommended plan, the reasons, every candidate's cost and the command that runs it out."""
+command line: the model (a preset -- our GPT / MoE or a Hugging Face decoder of conf/model -- or a
+parameter count with its layers and width) and the cluster in, the recommended plan, the reasons,
+every candidate's cost and the command that runs it out."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 from lightning_par.advisor import Advice, Cluster, advise
 from lightning_par.costs.activations import Shape
-from lightning_par.estimate import GIB
+from lightning_par.estimate import GIB, preset_names
 
 
 def shape_from_args(args: argparse.Namespace) -> tuple[Shape, str | None]:
@@ -45,15 +46,18 @@ def main(argv: list[str] | None = None) -> Advice:
                                  description="Strategy advisor: which strategy for this model on this cluster, "
                                              "and the command that runs it.")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a GPT or MoE preset of conf/model (gpt2, gpt_7b, moe_8x_top2, ...)")
+    src.add_argument("--model", metavar="PRESET",
+                     help="a model of conf/model: " + ", ".join(preset_names()) + " (the GPT and MoE presets, "
+                          "then the Hugging Face decoders)")
     src.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (with --layers and --hidden)")
     ap.add_argument("--layers", type=int, help="decoder layers (with --params)")
     ap.add_argument("--hidden", type=int, help="hidden size (with --params)")
     ap.add_argument("--heads", type=int, default=None, help="attention heads; default: hidden / 128")
     ap.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default: %(default)s)")
     ap.add_argument("--mlp-ratio", type=int, default=4, help="MLP inner size / hidden (default: %(default)s)")
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default: the preset's "
-                                                              "block_size, else 2048")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="tokens per sequence; default: the preset's block_size (a Hugging Face one's "
+                         "max_positions), else 2048")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (default: %(default)s)")
     ap.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (default: %(default)s)")
     ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (default: %(default)s)")

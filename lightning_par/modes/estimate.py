@@ -13,7 +13,7 @@ from typing import Any
 from lightning_par.costs.traced import trace_model
 from lightning_par.dtypes import canonical_precision
 from lightning_par.estimate import (OPTIMIZERS, PRECISIONS, STRATEGIES, MemoryEstimate, estimate, estimate_table,
-                                    estimate_traced, model_shape, strategy_layout)
+                                    estimate_traced, model_shape, preset_names, strategy_layout)
 from lightning_par.strategies.catalog import CATALOG, entry_of
 
 
@@ -143,13 +143,15 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m lightning_par.modes.estimate",
                                  description="Memory per rank of every strategy (lightning_par/estimate.py)")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a GPT preset name (lightning_par.models.gpt.PRESETS)")
+    src.add_argument("--model", metavar="PRESET",
+                     help="a model of conf/model: " + ", ".join(preset_names()) + " (the GPT and MoE presets, "
+                          "then the Hugging Face decoders)")
     src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (no activations)")
     ap.add_argument("--devices", type=int, default=1, help="data-parallel size N")
     ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size")
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's block_size (max_positions)")
     ap.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="which kernels run")
     ap.add_argument("--device-memory", type=float, default=None, help="device memory, in --unit")
