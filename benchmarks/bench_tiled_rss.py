@@ -2,8 +2,8 @@
 
 On a CPU every tensor of a run lives in the process's resident memory, so the estimate can be held
 against the peak RSS itself. Per case, two runs of the app with the same overrides: ``mode=estimate``
-(estimate.json: the configured strategy's row, ``peak`` plus ``offloaded``: on a CPU the
-offload's host memory and the "device" are the same memory) and a short training run (summary.json:
+(estimate.json: the configured strategy's row, ``peak``, which on a CPU includes the offload's host
+memory: the "device" and the host are the same memory) and a short training run (summary.json:
 ``memory[]``). What the run added is ``peak_rss - rss_before_setup`` (the resident bytes when the
 fit's setup began: the interpreter, torch, Lightning; no part of the model), the largest over the
 ranks. The ratio estimate / measured should stay within 0.85-1.15 (issue 22: +-15%).
@@ -53,6 +53,35 @@ def run(args: list[str], out: Path, **env_extra: str) -> None:
         raise SystemExit(f"error: {' '.join(args)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
 
 
+def overrides(hidden: int, layers: int, tiles: int, devices: int) -> list[str]:
+    """The app's overrides of one case (the strategy apart)."""
+    return ["model=gpt_small", f"+model.n_embd={hidden}", f"+model.n_layer={layers}",
+            f"+model.n_head={max(1, hidden // 64)}", "+model.vocab_size=50304", "model.optimizer=adamw",
+            "data=synthetic", "data.vocab_size=50304", "data.seq_len=128", f"data.global_batch_size={2 * devices}",
+            f"trainer.devices={devices}", "trainer.precision=32-true", "strategy.param_dtype=bf16",
+            "strategy.reduce_dtype=fp32", "strategy.activation_checkpointing=true", tiling(layers, tiles),
+            "check_memory=false"]
+
+
+#: the allocator settings each training run goes under
+ALLOCATORS = {"glibc default": {}, "mmap threshold 1 MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
+
+
+def predicted_peak(case: str, common: list[str], out: Path) -> int:
+    """``mode=estimate``'s peak for the configured strategy on a CPU (there the offloaded states are in it)."""
+    run([f"strategy={case}", *common, "mode=estimate", "+estimate.device=cpu"], out)
+    rows = json.loads((out / "estimate.json").read_text())["strategies"]
+    return next(r for r in rows if r["strategy"] == case)["peak"]
+
+
+def measured(case: str, common: list[str], steps: int, out: Path, env: dict[str, str]) -> tuple[int, float]:
+    """(the largest rank's ``peak_rss - rss_before_setup``, step time) of a short training run."""
+    run([f"strategy={case}", *common, f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
+         "callbacks.throughput.warmup_steps=1"], out, **env)
+    summary = json.loads((out / "summary.json").read_text())
+    return max(m["peak_rss"] - m["rss_before_setup"] for m in summary["memory"]), summary["step_time_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -62,31 +91,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--cases", nargs="+", default=["fsdp", "zero3_offload"])
     a = ap.parse_args()
-    common = ["model=gpt_small", f"+model.n_embd={a.hidden}", f"+model.n_layer={a.layers}",
-              f"+model.n_head={max(1, a.hidden // 64)}", "+model.vocab_size=50304", "model.optimizer=adamw",
-              "data=synthetic", "data.vocab_size=50304", "data.seq_len=128", f"data.global_batch_size={2 * a.devices}",
-              f"trainer.devices={a.devices}", "trainer.precision=32-true", "strategy.param_dtype=bf16",
-              "strategy.reduce_dtype=fp32", "strategy.activation_checkpointing=true", tiling(a.layers, a.tiles),
-              "check_memory=false"]
+    common = overrides(a.hidden, a.layers, a.tiles, a.devices)
     print(f"GPT hidden {a.hidden}, {a.layers} layers, vocabulary 50304, every large layer in {a.tiles} tiles; "
           f"32-true, bf16 gathers, fp32 reduce; {a.devices} ranks; CPU")
     print(f"{'strategy':16s} {'allocator':>22s} {'estimate (MiB)':>15s} {'RSS added (MiB)':>16s} {'estimate / RSS':>15s} "
           f"{'step s':>8s}")
     with tempfile.TemporaryDirectory() as tmp:
         for case in a.cases:
-            est, fit = Path(tmp) / f"{case}-est", Path(tmp) / f"{case}-fit"
-            run([f"strategy={case}", *common, "mode=estimate", "+estimate.device=cpu"], est)
-            rows = json.loads((est / "estimate.json").read_text())["strategies"]
-            row = next(r for r in rows if r["strategy"] == case)
-            predicted = row["peak"] + row["offloaded"]  # on a CPU the "device" and the host are one memory
-            for allocator, env in (("glibc default", {}), ("mmap threshold 1 MiB", {"MALLOC_MMAP_THRESHOLD_": "1048576"})):
-                run([f"strategy={case}", *common, f"trainer.max_steps={a.steps}", "trainer.limit_val_batches=0",
-                     "callbacks.throughput.warmup_steps=1"], fit, **env)
-                summary = json.loads((fit / "summary.json").read_text())
-                memory = summary["memory"]
-                added = max(m["peak_rss"] - m["rss_before_setup"] for m in memory)
+            predicted = predicted_peak(case, common, Path(tmp) / f"{case}-est")
+            for allocator, env in ALLOCATORS.items():
+                added, step_s = measured(case, common, a.steps, Path(tmp) / f"{case}-fit", env)
                 print(f"{case:16s} {allocator:>22s} {predicted / 2**20:15.1f} {added / 2**20:16.1f} "
-                      f"{predicted / added:15.3f} {summary['step_time_s']:8.2f}")
+                      f"{predicted / added:15.3f} {step_s:8.2f}")
 
 
 if __name__ == "__main__":
