@@ -133,7 +133,9 @@ def check_vocabulary(model: Any, datamodule: Any) -> None:
     config = getattr(model, "hf_config", None) or getattr(model, "config", None)
     model_vocab = getattr(config, "vocab_size", None)
     if isinstance(data_vocab, int) and isinstance(model_vocab, int) and data_vocab > model_vocab:
-        source = getattr(datamodule, "tokenizer_dir", None) or type(datamodule).__name__
+        path = getattr(datamodule, "path", None)  # token files: name them (their header gives the vocabulary)
+        source = getattr(datamodule, "tokenizer_dir", None) or (f"{type(datamodule).__name__} {path}" if path
+                                                                 else type(datamodule).__name__)
         raise ConfigError(f"the data's vocabulary ({data_vocab} ids, {source}) is larger than the model's "
                           f"({model_vocab}): use the model's own tokenizer, or a model with vocab >= {data_vocab}")
 

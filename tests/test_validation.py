@@ -77,3 +77,31 @@ def test_a_swept_groups_own_option_reaches_every_job(tmp_path):
     assert [(c.strategy._target_.rsplit(".", 1)[1], c.strategy.param_dtype) for c in jobs] == [
         ("FSDPStrategy", "bf16"), ("Zero3Strategy", "bf16")]
     assert all(json.loads((sweep / job / "estimate.json").read_text()) for job in ("0", "1"))
+
+
+@pytest.mark.timeout(120)
+def test_a_token_file_vocabulary_larger_than_a_pretrained_model_is_one_line(tmp_path):
+    """The user's real job: a local checkpoint and a corpus tokenized with another (larger) tokenizer --
+    one line before launch, naming both vocabularies, for the app's own GPT and a pretrained directory."""
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_par.token_format import pack_header
+
+    tokens = np.arange(4000, dtype=np.uint16) % 1000
+    corpus = tmp_path / "corpus.bin"
+    with open(corpus, "wb") as f:
+        f.write(pack_header(len(tokens), tokens.dtype, 1000))
+        f.write(tokens.tobytes())
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=300)).save_pretrained(llama)
+    for i, (model, theirs) in enumerate(((["model=gpt_tiny"], 256),
+                                         (["model=hf_causal_lm", f"model.pretrained={llama}"], 300))):
+        proc = run_cli([*model, "data=tokens", f"data.path={corpus}", "data.seq_len=16"], tmp_path / f"run{i}",
+                       timeout=90, check=False)
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        assert f"the data's vocabulary (1000 ids, TokenFileDataModule {corpus}) is larger than the model's ({theirs})" \
+            in lines[0], lines[0]
+        assert not (tmp_path / f"run{i}" / "summary.json").exists()
