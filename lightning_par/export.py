@@ -16,7 +16,8 @@ Files are sharded as ``save_pretrained`` shards them (``model-0000i-of-0000n.saf
 index; one ``model.safetensors`` when it fits ``--max-shard-size``). Tokenizer files are copied when
 the run recorded a tokenizer or ``--tokenizer DIR`` names one. Everything is written into a
 temporary directory beside ``OUT`` that is renamed to ``OUT`` only at the end: an interrupted export
-never leaves a directory that looks complete.
+never leaves a directory that looks complete (a killed one's temporary directory is removed by the next
+export to ``OUT``).
 """
 
 from __future__ import annotations
@@ -233,6 +234,7 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
         items = [OutTensor(i.name, i.shape, cast if i.dtype.is_floating_point else i.dtype, i.sources, i.combine)
                  for i in items]
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    _remove_dead_partials(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -271,12 +273,32 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
     return f"exported {len(items)} tensors in {len(groups)} file(s) to {out}: {kind}"
 
 
+def _remove_dead_partials(out: Path) -> None:
+    """Remove what a killed export (SIGKILL runs no cleanup) left beside ``out``: ``.OUT.partial-PID``
+    directories whose process is gone. A live export's directory (another process writing ``out``) stays."""
+    if not out.parent.is_dir():
+        return
+    for path in out.parent.glob(f".{out.name}.partial-*"):
+        pid = path.name.rpartition("-")[2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def save_pretrained(trainer: Any, out: str | Path, *, dtype: str = "keep", max_shard_bytes: int = 5 * 2**30) -> str:
     """Write the trainer's model as a transformers directory (``export``'s layouts), from every rank
     (collective): the model is saved as a sharded checkpoint (weights only) beside ``out``, global
-    rank 0 exports it tensor by tensor and removes it. This is ``save_pretrained`` for a model that
-    FSDP, ZeRO-3 or tensor parallelism has sharded, where transformers' own would need the full
-    tensors on rank 0. Returns the export's line on every rank; raises its error on every rank."""
+    rank 0 exports it tensor by tensor and removes it. transformers' own ``model.save_pretrained(DIR)``
+    also works on a model that FSDP, ZeRO-3 or tensor parallelism has sharded, called on every rank
+    (``parallel/hf_save.py``: it streams the tensors without a checkpoint on disk); this one also takes a
+    model cut into pipeline stages, replaces ``out`` as a whole (an interrupted save leaves nothing that
+    looks complete), copies the run's tokenizer and casts (``dtype``). Returns the export's line on
+    every rank; raises its error on every rank."""
     from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
 
     strategy = trainer.strategy

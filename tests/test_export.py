@@ -8,7 +8,12 @@ app's own GPT preset under fsdp, are exported and opened with transformers' ``fr
 - after training with lr>0 the exported model's logits equal those of the checkpoint's own model
   (the run's tensors read back with torch.distributed.checkpoint into the same architecture), and
   differ from the untrained ones;
-- our GPT preset exports to ``GPT2LMHeadModel`` with the same logits as our GPT.
+- our GPT preset exports to ``GPT2LMHeadModel`` with the same logits as our GPT;
+- transformers' own ``save_pretrained`` called on every rank of the same runs (issue 20, part 5): under
+  fsdp and zero3 (Llama untied, GPT-2 tied) the directory holds the run's final weights bit for bit,
+  in the files transformers writes, beside a tokenizer saved there first; rank 0 calling it alone gets
+  one line within the arrival timeout, and training goes on; ddp keeps transformers' method; a
+  pipeline refuses in one line.
 
 Faults: an interrupted export leaves neither OUT nor a partial directory; every bad input is one
 line and exit 2.
@@ -28,7 +33,7 @@ import pytest
 from tests.test_pretrained import MAKE, ROOT, _env, _run
 
 SCRIPT = textwrap.dedent('''
-    import json, os, sys, warnings, logging
+    import json, os, sys, time, warnings, logging
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     import torch
@@ -37,6 +42,7 @@ SCRIPT = textwrap.dedent('''
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
     import lightning_par.models
+    import lightning_par.parallel.hf_save
     import lightning_par.strategies
 
     class FineTune(L.LightningModule):
@@ -58,7 +64,37 @@ SCRIPT = textwrap.dedent('''
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=self.lr)
 
+    def tokenizer(directory):  # a tokenizer saved into the directory first: the model's save must keep it
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
+
+    def save_pretrained(trainer, fam, strategy, lr):
+        """transformers' own call on the trained model, from every rank (issue 20, part 5)."""
+        net, out = trainer.lightning_module.net, f"{root}/saved/{fam}-{strategy}-{lr}"
+        seen = {"installed": "save_pretrained" in vars(net)}
+        if trainer.is_global_zero:
+            tokenizer(out)
+        trainer.strategy.barrier()
+        try:
+            net.save_pretrained(out, max_shard_size="100KB")
+        except RuntimeError as e:
+            seen["error"] = str(e)
+        if strategy == "lp_zero3":  # rank 0 alone (rank 1 waits in the training group): one line, no hang
+            if trainer.is_global_zero:
+                start = time.monotonic()
+                try:
+                    net.save_pretrained(f"{root}/saved/alone")
+                except RuntimeError as e:
+                    seen["alone"] = {"error": str(e), "type": type(e).__name__, "seconds": time.monotonic() - start}
+            trainer.strategy.barrier()
+        return seen
+
     root, cells = sys.argv[1], json.loads(sys.argv[2])
+    lightning_par.parallel.hf_save.ARRIVAL_TIMEOUT_S = 5  # read at setup; the default is 120 s
+    report = {}
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 300, (8, 17), generator=g)
     for fam, strategy, lr in cells:
@@ -70,8 +106,13 @@ SCRIPT = textwrap.dedent('''
         dp = 1 if strategy == "lp_pipeline" else 2
         data = TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
         trainer.fit(FineTune(f"{root}/{fam}", lr), DataLoader(data, batch_size=8 // dp))
+        report[f"{fam}-{strategy}-{lr}"] = save_pretrained(trainer, fam, strategy, lr)
+    if trainer.is_global_zero:
+        with open(f"{root}/saved/report.json", "w") as f:
+            json.dump(report, f)
 ''')
-CELLS = [("llama", "lp_fsdp", 0.0), ("llama", "lp_zero3", 0.5), ("gpt2", "lp_ddp", 0.5), ("qwen2", "lp_pipeline", 0.5)]
+CELLS = [("llama", "lp_fsdp", 0.0), ("llama", "lp_zero3", 0.5), ("gpt2", "lp_fsdp", 0.5), ("gpt2", "lp_ddp", 0.5),
+         ("qwen2", "lp_pipeline", 0.5)]
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +221,24 @@ def test_interrupted_export_leaves_nothing_that_looks_complete(trained: Path, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_a_killed_exports_hidden_directory_is_removed_by_the_next(trained: Path, tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup: its ``.OUT.partial-PID`` stays until the next export to OUT, which removes it
+    once that process is gone (a live export's directory is left alone)."""
+    from lightning_par import export
+
+    checkpoint = trained / "ckpt" / "llama-lp_fsdp-0.0.ckpt"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is no longer running
+    dead = tmp_path / f".out.partial-{gone.pid}"
+    live = tmp_path / f".out.partial-{os.getppid()}"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    export.export(checkpoint, tmp_path / "out")
+    assert not dead.exists() and live.exists()
+    assert (tmp_path / "out" / "config.json").exists()
+
+
 def test_bad_export_input_is_one_line(trained: Path, tmp_path: Path) -> None:
     checkpoint = trained / "ckpt" / "llama-lp_fsdp-0.0.ckpt"
     (tmp_path / "full").mkdir()
@@ -233,3 +292,79 @@ def test_the_app_fine_tunes_a_checkpoint_and_exports_it_at_the_end(trained: Path
     assert not list(run.glob(".hf*")), "the export's staging checkpoint was left behind"
     loaded = HFCausalLM.load_from_checkpoint(checkpoint)
     torch.testing.assert_close(_logits(loaded.net, ids), want, rtol=1e-5, atol=1e-6)
+
+
+def _files(directory: Path) -> dict[str, object]:
+    """What a transformers directory holds: each json file's content, each safetensors file's tensors."""
+    from safetensors.torch import load_file
+
+    out: dict[str, object] = {}
+    for path in sorted(directory.iterdir()):
+        out[path.name] = json.loads(path.read_text()) if path.suffix == ".json" else load_file(path)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_transformers_save_pretrained_on_every_rank_of_a_sharded_model(trained: Path, tmp_path: Path) -> None:
+    """``self.net.save_pretrained(DIR)`` from every rank after ``fit`` (the script above): under fsdp and
+    zero3 the directory is what transformers' own ``save_pretrained`` writes for the run's final model
+    unsharded -- the same files, index and config, every tensor bit for bit (fp32, rtol=atol=0) -- and
+    ``from_pretrained`` gives the run's logits; the tokenizer saved there first is kept."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_par.models.pretrained import pretrained_config
+
+    report = json.loads((trained / "saved" / "report.json").read_text())
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    for fam, strategy, lr in [c for c in CELLS if c[1] in ("lp_fsdp", "lp_zero3")]:
+        cell = f"{fam}-{strategy}-{lr}"
+        assert report[cell] == {"installed": True} or "alone" in report[cell], report[cell]
+        saved = trained / "saved" / cell
+        run = _checkpoint_model(trained / fam, trained / "ckpt" / f"{cell}.ckpt")  # the run's final weights
+        # transformers' own save of them, unsharded, from a model made as the run made it: from the config
+        # models.from_pretrained built (no KV cache, no dropout: the config is written as the model has it), not
+        # loaded by transformers (which orders the files of a model it loaded otherwise)
+        reference = AutoModelForCausalLM.from_config(pretrained_config(trained / fam), dtype=torch.float32)
+        reference.load_state_dict(run.state_dict())
+        reference.save_pretrained(tmp_path / cell, max_shard_size="100KB")
+        ours, theirs = _files(saved), _files(tmp_path / cell)
+        assert ours.pop("tokenizer.json") and ours.pop("tokenizer_config.json")
+        assert sorted(ours) == sorted(theirs) and len([n for n in ours if n.startswith("model-")]) > 1, sorted(ours)
+        for name, content in theirs.items():
+            if name.endswith(".safetensors"):
+                assert sorted(ours[name]) == sorted(content), name  # the same tensors in each file, a tie once
+                for key, t in content.items():
+                    torch.testing.assert_close(ours[name][key], t, rtol=0, atol=0, msg=f"{cell} {key}")
+            else:
+                assert ours[name] == content, f"{cell} {name}"
+        loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+        torch.testing.assert_close(_logits(loaded, ids), _logits(run, ids), rtol=0, atol=0)
+        assert AutoTokenizer.from_pretrained(saved)("a b c")["input_ids"] == [1, 2, 0]
+    assert "lm_head.weight" not in ours["model.safetensors.index.json"]["weight_map"]  # gpt2: tied, written once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_save_pretrained_on_rank_0_alone_and_elsewhere(trained: Path) -> None:
+    """Rank 0 alone (rank 1 waiting in a training collective): one line naming the fix, within the
+    5 s arrival timeout the script sets, nothing written, and the run goes on (the later cells trained).
+    ddp keeps transformers' own method (its save loads as the run's model); a pipeline refuses in one line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    report = json.loads((trained / "saved" / "report.json").read_text())
+    alone = report["llama-lp_zero3-0.5"]["alone"]
+    assert alone["type"] == "SaveError" and "\n" not in alone["error"], alone
+    assert "call save_pretrained on every rank" in alone["error"] and 4 < alone["seconds"] < 60, alone
+    assert not (trained / "saved" / "alone").exists()
+    ddp = report["gpt2-lp_ddp-0.5"]
+    assert ddp == {"installed": False}, ddp
+    run = _checkpoint_model(trained / "gpt2", trained / "ckpt" / "gpt2-lp_ddp-0.5.ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(trained / "saved" / "gpt2-lp_ddp-0.5", dtype=torch.float32)
+    for (name, a), b in zip(loaded.state_dict().items(), run.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    pipeline = report["qwen2-lp_pipeline-0.5"]
+    assert pipeline["installed"] and "pipeline stages" in pipeline["error"] and "\n" not in pipeline["error"], pipeline
+    assert "lightning_par.export.save_pretrained(trainer, DIR)" in pipeline["error"]

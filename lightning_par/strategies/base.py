@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from lightning_par import ConfigError
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
+from lightning_par.parallel.hf_save import install_sharded_save
 from lightning_par.parallel.init_trace import InitTrace
 from lightning_par.parallel.materialize import canonical_name
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
@@ -242,6 +243,9 @@ class ParStrategyMixin:
                           **self.techniques(module, resolved))
         tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
         stages = parallelize(module, replace(spec, tiling=check_tiling(self.tiling, tp_plan)))
+        # a Hugging Face model now sharded (DTensors) or cut: transformers' save_pretrained would fail or write
+        # a part, so it becomes a collective that streams the whole model out (every rank calls it)
+        install_sharded_save(module)
         # what compile did, for the run summary: modules whose call runs through torch.compile
         self.model_facts["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None
                                                    for m in module.modules())
