@@ -12,7 +12,7 @@ Duck-typed: nothing here imports ``transformers``; a model is recognised by its 
   ones included). A plan holding a style we do not know (one a later transformers adds) is dropped
   whole -- half a plan would compute wrong results -- so tensor parallelism then refuses the model as
   having no plan; rules naming modules this config does not build are skipped, as transformers does. A family declaring none gets the plan
-  ``hf_tp_derive.py`` derives (GPT-2, OPT), under the same verified-family gate.
+  ``hf_tp_derive.py`` derives (GPT-2, OPT, BERT, RoBERTa, T5, BART, ViT), under the same verified-family gate.
 - ``tp_divisible``: attention heads, key/value heads, MLP size and vocabulary from the config.
 - ``layers``: the pipeline cut points from ``base_model_pp_plan`` (the base model's parts in forward
   order, a ``ModuleList`` expanded to its layers) followed by the head's ``_pp_plan``. They say where
@@ -107,7 +107,7 @@ def _full_tp_plan(model: nn.Module) -> dict[str, str]:
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's tensor-parallel plan in our style names; ``ValueError`` naming a style we lack. A
-    family that declares none gets the plan ``hf_tp_derive`` derives for it (GPT-2, OPT), if any."""
+    family that declares none gets the plan ``hf_tp_derive`` derives for it (GPT-2, OPT, BERT, T5, ...), if any."""
     declared = _full_tp_plan(model)
     if not declared:
         return derived_tp_plan(model)[0]
