@@ -1,7 +1,8 @@
 """Trained weights out (issue 20, part 2): ``lightning-par-export CHECKPOINT OUT``.
 
 Checkpoints written at 2 ranks by a LightningModule of this test (holding a Hugging Face model
-loaded with ``lightning_par.models.from_pretrained``) under fsdp, zero3, ddp and pipeline, and by the
+loaded with ``lightning_par.models.from_pretrained``) under fsdp, zero3, ddp, pipeline and tensor
+parallel (Llama; GPT-2 with its tied vocabulary-parallel head), and by the
 app's own GPT preset under fsdp, are exported and opened with transformers' ``from_pretrained``:
 
 - after training with lr=0 the exported weights equal the pretrained ones exactly;
@@ -103,7 +104,7 @@ SCRIPT = textwrap.dedent('''
                                save_top_k=-1)
         trainer = L.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=3, callbacks=[ckpt],
                             logger=False, enable_progress_bar=False, enable_model_summary=False)
-        dp = 1 if strategy == "lp_pipeline" else 2
+        dp = 1 if strategy in ("lp_pipeline", "lp_tensor_parallel") else 2
         data = TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
         trainer.fit(FineTune(f"{root}/{fam}", lr), DataLoader(data, batch_size=8 // dp))
         report[f"{fam}-{strategy}-{lr}"] = save_pretrained(trainer, fam, strategy, lr)
@@ -112,7 +113,8 @@ SCRIPT = textwrap.dedent('''
             json.dump(report, f)
 ''')
 CELLS = [("llama", "lp_fsdp", 0.0), ("llama", "lp_zero3", 0.5), ("gpt2", "lp_fsdp", 0.5), ("gpt2", "lp_ddp", 0.5),
-         ("qwen2", "lp_pipeline", 0.5)]
+         ("qwen2", "lp_pipeline", 0.5), ("llama", "lp_tensor_parallel", 0.5),
+         ("gpt2", "lp_tensor_parallel", 0.5)]  # GPT-2: tied, its fused c_attn split by a derived plan
 
 
 @pytest.fixture(scope="module")
