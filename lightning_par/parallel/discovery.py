@@ -26,7 +26,8 @@ from torch import nn
 
 from lightning_par.parallel.contract import InitsWeights, ParallelPlan, declared_plan
 from lightning_par.parallel.fsdp import resolve_units
-from lightning_par.parallel.hf_plan import find_hf_model, hf_enable_checkpointing, hf_init_fn, hf_parallel_plan
+from lightning_par.parallel.hf_plan import (find_hf_model, hf_enable_checkpointing, hf_init_fn, hf_parallel_plan,
+                                            in_tagged_model)
 
 RULES = ("declared", "hf_no_split_modules", "repeated_children", "size")
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -110,9 +111,19 @@ def init_fn_of(module: nn.Module) -> Callable[[nn.Module], None] | None:
     if isinstance(module, InitsWeights):
         return module.init_weights
     found = find_hf_model(module)
-    if found is not None:
-        return hf_init_fn(found[1])
-    return None
+    if found is None:
+        return None
+    hf_init = hf_init_fn(found[1])
+
+    def init(sub: nn.Module) -> None:
+        # the Hugging Face model's modules by its own rule; a layer the user's module holds beside it (a
+        # classifier on a backbone) by its reset_parameters(), as a module without a Hugging Face model
+        if in_tagged_model(sub):
+            hf_init(sub)
+        elif callable(reset := getattr(sub, "reset_parameters", None)):
+            reset()
+
+    return init
 
 
 def checkpointing_fn_of(module: nn.Module) -> Callable[[nn.Module], bool] | None:

@@ -324,6 +324,11 @@ def verify_ties(model: nn.Module) -> None:
 # Initialisation
 
 
+def in_tagged_model(module: nn.Module) -> bool:
+    """Whether ``module`` (or a copy of it) belongs to a model ``tag_paths`` tagged."""
+    return getattr(module, _PATH_TAG, None) is not None
+
+
 def tag_paths(model: nn.Module) -> None:
     """Record every submodule's path on it (copies made later with ``copy.deepcopy`` keep it)."""
     for path, sub in model.named_modules():
