@@ -92,6 +92,9 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
     if callable(validate_strategy):
         try:
             validate_strategy(world, model)
+            # trainer.sync_batchnorm reaches the strategy only from the Trainer, built after launch: ask now
+            if bool(cfg.trainer.get("sync_batchnorm", False)) and hasattr(strategy, "check_sync_batchnorm"):
+                strategy.check_sync_batchnorm(world, model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         dims = strategy.dims_for(world)

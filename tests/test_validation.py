@@ -31,6 +31,8 @@ from tests.helpers import run_cli
         (["model=hf_causal_lm", "model.pretrained=/nonexistent/llama"],
          r"pretrained model: /nonexistent/llama is not a directory"),
         (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
+        (["model=cnn", "data=images", "strategy=pipeline", "trainer.devices=2", "+trainer.sync_batchnorm=true"],
+         r"PipelineStrategy: sync_batchnorm cannot give BatchNorm the statistics of the global batch"),
         (["mode=serve"], r"unknown mode 'serve'"),
         (["-m", "strategy=ddp,fsdp", "strategy.param_dtype=bf16"],
          r"strategy.param_dtype: strategy=ddp has no option 'param_dtype' \(swept: ddp, fsdp\)"),
