@@ -123,14 +123,17 @@ def test_a_plan_leaving_a_parameter_outside_every_layer_is_refused_in_one_line()
     assert "\n" not in str(e.value)
 
 
-def test_an_encoder_gets_no_derived_plan_and_one_line_why():
-    from transformers import BertConfig, BertForMaskedLM
+def test_an_encoder_gets_a_derived_plan_and_an_encoder_decoder_one_line_why():
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
 
     with torch.device("meta"):
-        model = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                           intermediate_size=64, vocab_size=96))
-    plan = hf_parallel_plan(model)
-    assert plan.layers == () and "decoder-only" in plan.pp_refusal and "\n" not in plan.pp_refusal
+        bert = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, vocab_size=96))
+        t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=96))
+    plan = hf_parallel_plan(bert)  # embeddings, each encoder layer, the MLM head (tests/test_encoder_pp.py trains it)
+    assert plan.layers[0] == "bert.embeddings" and plan.layers[-1] == "cls" and len(plan.layers) == 4, plan.layers
+    refusal = hf_parallel_plan(t5).pp_refusal
+    assert hf_parallel_plan(t5).layers == () and "encoder-decoder" in refusal and "\n" not in refusal
 
 
 def test_time_balance_measures_from_one_allowed_start_to_the_next():

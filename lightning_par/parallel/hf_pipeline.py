@@ -12,7 +12,8 @@ and soft-caps logits. Calling the layers one after another with hidden states al
   its base model, the ``layers`` list), sharing every parameter, buffer and other submodule with the
   real model, in which each layer of the plan is replaced by what this stage does with it:
   * a layer of an earlier stage hands its input on unchanged (``_Skip``; nothing of it runs; one
-    called with something other than the activation, such as GPT-2's position embedding, gives 0),
+    called with something other than the activation, such as GPT-2's position embedding, gives 0;
+    an encoder's embeddings module, called by keyword with ``inputs_embeds``, hands that on),
   * this stage's first layer gets the activation the previous stage sent instead of whatever the
     forward computed up to it (``_Enter``),
   * this stage's layers are the real modules (as wrapped by TP, checkpointing, compile, FSDP),
@@ -68,6 +69,15 @@ def _hidden(args: tuple, kwargs: dict) -> Any:
     raise TypeError("pipeline stage: a layer of the plan was called without hidden states")
 
 
+def _hidden_or_none(args: tuple, kwargs: dict) -> Any:
+    """``_hidden``, or None for a layer called without hidden states (an encoder's embeddings, called with
+    the input ids by keyword: only the first layer may be, as no stage enters there)."""
+    try:
+        return _hidden(args, kwargs)
+    except TypeError:
+        return None
+
+
 def _with_hidden(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
     if args:
         return (x, *args[1:]), kwargs
@@ -99,7 +109,9 @@ class _Skip(_StandIn):
     than a tensor shaped like the activation this stage received (GPT-2's ``wpe`` and OPT's
     ``embed_positions`` take position ids or a mask, and their output is added to the embeddings)
     gives a zero scalar instead, which adds to anything: the value is replaced by the received
-    activation at this stage's first layer anyway (``_Enter``)."""
+    activation at this stage's first layer anyway (``_Enter``). An encoder's embeddings module
+    (BERT's, called as ``embeddings(input_ids=None, ..., inputs_embeds=x)``) hands on ``x``, the
+    activation this stage was given: the forward builds the attention mask from it."""
 
     def __init__(self, path: str, real: nn.Module, x: torch.Tensor, tuple_len: int = 0) -> None:
         super().__init__(path, real)
@@ -108,7 +120,13 @@ class _Skip(_StandIn):
         object.__setattr__(self, "_lp_tuple", tuple_len)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        h = _hidden(args, kwargs)
+        if not args and not any(k in kwargs for k in ("hidden_states", "input", "x")) \
+                and isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
+            # an encoder's embeddings module, called by keyword (BERT's ``embeddings(input_ids=None, ...,
+            # inputs_embeds=...)``): it hands on the activation this stage was given as ``inputs_embeds``
+            h = kwargs["inputs_embeds"]
+        else:
+            h = _hidden(args, kwargs)
         if isinstance(h, torch.Tensor) and tuple(h.shape) != self.__dict__["_lp_shape"]:
             h = torch.zeros((), dtype=self.__dict__["_lp_dtype"], device=h.device)
         n = self.__dict__["_lp_tuple"]  # the real layer returns a tuple (hidden states first): so does this
@@ -308,7 +326,8 @@ def _check_on_meta(meta: nn.Module, name: str, rel: list[str], seq_len: int, sta
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     calls: list[int] = []
     handles = [meta.get_submodule(r).register_forward_pre_hook(
-        lambda _m, args, kwargs, i=i: calls.append(i if isinstance(_hidden(args, kwargs), torch.Tensor) else -1),
+        lambda _m, args, kwargs, i=i: calls.append(i if i == 0 or isinstance(_hidden_or_none(args, kwargs),
+                                                                               torch.Tensor) else -1),
         with_kwargs=True) for i, r in enumerate(rel)]
     try:
         with torch.no_grad():

@@ -18,8 +18,8 @@ Duck-typed: nothing here imports ``transformers``; a model is recognised by its 
   order, a ``ModuleList`` expanded to its layers) followed by the head's ``_pp_plan``. They say where
   to cut, not how to run a part: decoder layers take the masks and rotary tables the model's forward
   builds, so each stage runs that forward itself (``hf_pipeline.py``). A model declaring no
-  pipeline plan (GPT-2, OPT, Falcon, ...) gets one derived from its forward (``hf_pp_derive.py``),
-  with the layers a stage may start at (``hf_stage_starts``).
+  pipeline plan (GPT-2, OPT, Falcon, ...; the encoders BERT, RoBERTa) gets one derived from its
+  forward (``hf_pp_derive.py``), with the layers a stage may start at (``hf_stage_starts``).
 
 Tied parameters (GPT-2's and ``tie_word_embeddings``' input/output embedding): ``tied_parameters``
 lists them and ``check_tied`` refuses the layouts that would silently untie them.

@@ -1,17 +1,24 @@
-"""A pipeline plan for a Hugging Face decoder that declares none (GPT-2, OPT, Falcon, Bloom, ...),
-read off the model itself: no per-family table.
+"""A pipeline plan for a Hugging Face model that declares none (GPT-2, OPT, Falcon, Bloom, ...; the
+encoders BERT and RoBERTa), read off the model itself: no per-family table.
 
 ``derive_pp_plan`` traces one forward of a meta-device copy of the model and takes, in call order,
-the modules holding parameters at the level of the decoder blocks (the ``_no_split_modules``
-blocks, all in one ``ModuleList``): the children of the blocks' ancestors that are not ancestors
-of the blocks themselves -- the modules before the blocks (GPT-2: ``wte``, ``wpe``; OPT:
-``embed_tokens``, ``embed_positions``, ``project_in``), the blocks, the modules after them
-(``ln_f``, ``final_layer_norm``, ``project_out``) and the head. Every parameter must lie in one of
-them and each must be called exactly once; otherwise the model gets no plan and a one-line reason.
-Only decoder-only language models get one (``GenerationMixin`` in the class hierarchy, not an
-encoder-decoder): a pipeline's last stage hands logits over the sequence to the module's loss, which
-is not what BERT's masked-LM or T5's training step computes. The layers returning a tuple are
-recorded (``tuple_out``: Falcon's, Bloom's blocks), so a stage's stand-in for one returns a tuple too.
+the modules holding parameters at the level of the blocks (the ``_no_split_modules`` blocks, all in
+one ``ModuleList``): the children of the blocks' ancestors that are not ancestors of the blocks
+themselves -- the modules before the blocks (GPT-2: ``wte``, ``wpe``; OPT: ``embed_tokens``,
+``embed_positions``, ``project_in``; BERT: ``embeddings``), the blocks, the modules after them
+(``ln_f``, ``final_layer_norm``, ``project_out``; BERT's pooler) and the head. Every parameter must
+lie in one of them and each must be called exactly once; otherwise the model gets no plan and a
+one-line reason. Decoder-only language models (``GenerationMixin`` in the class hierarchy) get one,
+and so do encoder-only models whose forward takes ``input_ids`` and ``inputs_embeds`` (BERT's and
+RoBERTa's heads): an encoder's ``_no_split_modules`` name its embeddings module too, so its blocks
+are those lying in the one list of layers (``encoder_stack``); the forward builds the (bidirectional)
+attention mask from ``inputs_embeds`` on every stage. A pipeline's last stage hands the head's output
+to the module's ``loss_fn(output, target)`` (a masked LM: logits over the sequence, targets -100
+where not masked). Encoder-decoder models (T5, BART) are refused in one line: every decoder layer's
+cross-attention reads the encoder's output, and only one activation crosses a cut. Vision encoders
+(ViT: ``pixel_values``, no ``inputs_embeds``) are refused in one line too. The layers returning a
+tuple are recorded (``tuple_out``: Falcon's, Bloom's blocks), so a stage's stand-in for one returns a
+tuple too.
 
 Where a stage may start (``starts``). A stage boundary before layer ``i`` is correct only if the
 forward hands the rest of the model everything the earlier layers computed through the tensor
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -134,13 +142,21 @@ def derive_pp_plan(model: nn.Module, blocks: Sequence[str], experts: Sequence[st
 
 def _derive(model: nn.Module, blocks: tuple[str, ...], experts: tuple[str, ...], seq_len: int) -> DerivedPP:
     name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return DerivedPP(refusal=f"{name} is an encoder-decoder model: every decoder layer's cross-attention reads "
+                                 "the encoder's output, which a pipeline stage does not receive (only one "
+                                 "activation crosses a cut); pipeline parallelism does not support it")
     generative = any(c.__name__ == "GenerationMixin" for c in type(model).__mro__)
-    if not generative or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return DerivedPP(refusal=f"{name} declares no pipeline plan, and one is derived only for a decoder-only "
-                                 "language model (a forward from input ids to logits, one stack of blocks)")
+    takes = [k for k in inspect.signature(type(model).forward).parameters if k != "self"]
+    if not generative and ("input_ids" not in takes or "inputs_embeds" not in takes):  # a vision encoder (ViT)
+        return DerivedPP(refusal=f"{name} declares no pipeline plan, and one is derived only for a model whose forward "
+                                 "takes input_ids (the first stage) and inputs_embeds (every later one); its forward "
+                                 f"takes {', '.join(takes[:2])}, ...")
     if not blocks:
         return DerivedPP(refusal=f"{name} declares no pipeline plan and no decoder blocks (_no_split_modules) "
                                  "to derive one from")
+    if not generative:  # an encoder (BERT): its embeddings are a block too, beside the one list of layers
+        blocks = encoder_stack(model, blocks)
     parents = {b.rpartition(".")[0] for b in blocks}
     if len(parents) != 1 or not isinstance(model.get_submodule(next(iter(parents))), (nn.ModuleList, nn.Sequential)):
         return DerivedPP(refusal=f"{name} declares no pipeline plan and its decoder blocks are not one list "
@@ -203,6 +219,15 @@ def _derive(model: nn.Module, blocks: tuple[str, ...], experts: tuple[str, ...],
     starts = allowed_starts(meta, layers, [inputs[c][0] for c in layers], logits)
     tuple_out = tuple((c, len(o)) for c, o in outputs.items() if isinstance(o, tuple))
     return DerivedPP(layers=layers, starts=starts, tuple_out=tuple_out)
+
+
+def encoder_stack(model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """An encoder's blocks (``_no_split_modules``) include its embeddings (BERT's ``BertEmbeddings``)
+    beside its layers: the blocks lying in a ``ModuleList`` when they all lie in one (the embeddings
+    are then one of the modules before them), else ``blocks`` unchanged (refused as not one list)."""
+    listed = [b for b in blocks if isinstance(model.get_submodule(b.rpartition(".")[0]) if "." in b else model,
+                                              (nn.ModuleList, nn.Sequential))]
+    return tuple(listed) if listed and len({b.rpartition(".")[0] for b in listed}) == 1 else blocks
 
 
 def allowed_starts(model: nn.Module, layers: Sequence[str], entering: Sequence[torch.Tensor | None],
