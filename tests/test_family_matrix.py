@@ -54,7 +54,7 @@ OTHERS = ["bert", "roberta", "t5", "bart", "vit", "resnet"]
 FAMILIES = DECODERS + OTHERS
 MOE = ["mixtral", "qwen2_moe"]
 # the 4-rank cells of test_derived_and_fused_expert_tp_plans_match_single, in the same processes as HSDP's
-TP_FOUR = [("gpt2", "lp_fsdp_tp"), ("mixtral", "lp_tensor_parallel:ep2")]
+TP_FOUR = [("gpt2", "lp_fsdp_tp"), ("opt", "lp_fsdp_tp"), ("mixtral", "lp_tensor_parallel:ep2")]
 # checked before launch, in one process (8 ranks would be 8 process starts): the ResNet with
 # sync_batchnorm=True under lp_3d (pp=2 x tp=2 x dp=2)
 BEFORE_LAUNCH = [("resnet", "lp_3d@8")]
@@ -472,7 +472,7 @@ def test_every_family_under_every_strategy_matches_single_or_is_refused_in_one_l
 def test_derived_and_fused_expert_tp_plans_match_single(tmp_path: Path, ref: dict, four_ranks: dict) -> None:
     """The tensor-parallel cells issue 19 added, on their own: GPT-2 (tied; plan derived, packed ``c_attn``)
     and OPT (tied; derived) and Mixtral and Qwen2-MoE (their own plans: ``packed_colwise`` experts,
-    ``moe_tp_experts``) under lp_tensor_parallel at 2 ranks, GPT-2 under lp_fsdp_tp at 4 (dp=2 x tp=2)
+    ``moe_tp_experts``) under lp_tensor_parallel at 2 ranks, GPT-2 and OPT (tied) under lp_fsdp_tp at 4 (dp=2 x tp=2)
     and Mixtral at tp=2 x ep=2 (expert parallelism splits the experts, tensor parallelism leaves them
     whole: never both), each step's loss within rtol 1e-5 of lp_single's; Falcon (fused
     ``query_key_value``, no plan derived) refused in one line naming it. The 4-rank cells share their

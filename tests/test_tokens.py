@@ -303,18 +303,20 @@ def test_killed_prepare_leaves_no_file_that_looks_complete(victim, tok_dir, tmp_
     one line, exit 130, nothing left)."""
     (tmp_path / "in").mkdir()
     line = json.dumps({"text": " ".join(make_docs(30))}) + "\n"
-    (tmp_path / "in" / "c.jsonl").write_text(line * (8_000_000 // len(line)))  # ~8 MB: seconds of work
+    # ~64 MB: far more work than the test waits for (only its start is tokenized before the signal), so
+    # that a loaded machine -- workers done while the main process waited for a core -- cannot finish it first
+    (tmp_path / "in" / "c.jsonl").write_text(line * (64_000_000 // len(line)))
     (tmp_path / "out").mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "lightning_par.prepare", str(tmp_path / "in" / "c.jsonl"),
                              "--tokenizer", str(tok_dir), "--out", str(tmp_path / "out" / "o.bin"), "--workers", "2",
                              "--chunk-mb", "0.05"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group, as a shell's job
-    deadline = time.time() + 60
-    while time.time() < deadline:  # until the first results are written
+    deadline, started = time.time() + 60, False
+    while time.time() < deadline and not started:  # until the first results are written
         tmps = [p for p in (tmp_path / "out").iterdir() if p.suffix == ".tmp"]
-        if tmps and tmps[0].stat().st_size > HEADER_BYTES + 10_000:
-            break
+        started = bool(tmps) and tmps[0].stat().st_size > HEADER_BYTES + 10_000
         time.sleep(0.005)
+    assert started and proc.poll() is None, "prepare wrote nothing within 60 s, or had already ended"
     helpers = children(proc.pid)  # the fork server (and multiprocessing's resource tracker)
     workers = [w for h in helpers for w in children(h)]
     assert len(workers) == 2, (helpers, workers)
