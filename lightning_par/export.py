@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -42,10 +41,6 @@ from lightning_par.jobs import quiet_third_party_logs
 from lightning_par.strategies.checkpoint import MODEL_KEY, check_checkpoint
 
 #: safetensors' dtype names
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64"}
 _CAST = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -157,28 +152,11 @@ def plain_layout(tensors: CheckpointTensors) -> list[OutTensor]:
 
 # ---------------------------------------------------------------------------------- writing
 def write_safetensors(file: Path, items: Sequence[OutTensor], produce: Callable[[OutTensor], torch.Tensor]) -> None:
-    """Write ``items`` to one safetensors file, tensor by tensor. safetensors' own ``save_file`` takes
-    every tensor of the file at once (the model, for a one-file export); its format is a length-
-    prefixed JSON header of offsets followed by the raw bytes, and the offsets follow from the shapes,
-    so the header is written first and each tensor appended as it is read (checked by reading the file
-    back with safetensors in the tests)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for item in items:
-        size = _numel(item.shape) * torch.empty((), dtype=item.dtype).element_size()
-        header[item.name] = {"dtype": _DTYPES[item.dtype], "shape": list(item.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for item in items:
-            t = produce(item)
-            if tuple(t.shape) != tuple(item.shape) or t.dtype != item.dtype:
-                raise RuntimeError(f"export: {item.name} came out {tuple(t.shape)} {t.dtype}, "
-                                   f"expected {item.shape} {item.dtype}")
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    """Write ``items`` to one safetensors file, each tensor read (``produce``) as it is written: the
+    streaming writer ``save_pretrained`` of a sharded model uses too (``parallel/hf_save.py``)."""
+    from lightning_par.parallel.hf_save import write_safetensors as stream
+
+    stream(file, items, (produce(item) for item in items))
 
 
 def _numel(shape: Sequence[int]) -> int:

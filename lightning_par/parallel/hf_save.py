@@ -38,7 +38,7 @@ import struct
 import time
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -63,9 +63,11 @@ ARRIVAL_TIMEOUT_S = 120.0
 #: for the model's lifetime, not the process')
 _CHECKS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, float]] = weakref.WeakKeyDictionary()
 #: safetensors' dtype names
+#: safetensors' dtype names
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+           torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64"}
 _SHARD_FILE = re.compile(r"(.*?)-\d{5}-of-\d{5}")  # transformers' name of one file of a sharded save
 
 
@@ -373,7 +375,7 @@ def _write(model: nn.Module, directory: str, plan: Plan, tensors: dict[str, torc
         for file, items in plan.files.items():
             path = os.path.join(directory, file)
             written.append(path)
-            _write_safetensors(path, items, (t for _, _, t in (next(gathered) for _ in items)))
+            write_safetensors(path, items, (t for _, _, t in (next(gathered) for _ in items)))
         if plan.index is not None:
             with open(os.path.join(directory, _add_variant(INDEX_NAME, plan.variant)), "w", encoding="utf-8") as f:
                 f.write(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
@@ -399,11 +401,12 @@ def _remove_stale_shards(directory: str, plan: Plan) -> None:
             os.remove(full)
 
 
-def _write_safetensors(path: str, items: list[Item], produce: Iterator[torch.Tensor]) -> None:
-    """One safetensors file, tensor by tensor. safetensors' ``save_file`` takes every tensor of the file at
-    once; its format is a length-prefixed JSON header of offsets and then the raw bytes, and the offsets
-    follow from the shapes, so the header goes first and each tensor is appended as it is gathered (the
-    format ``export.write_safetensors`` writes too; read back by safetensors in the tests)."""
+def write_safetensors(path: str | os.PathLike, items: Sequence[Any], produce: Iterable[torch.Tensor]) -> None:
+    """One safetensors file, tensor by tensor: ``items`` (each with ``name``, ``shape``, ``dtype``) and the
+    tensors in their order. safetensors' ``save_file`` takes every tensor of the file at once; its format
+    is a length-prefixed JSON header of offsets and then the raw bytes, and the offsets follow from the
+    shapes, so the header goes first and each tensor is appended as it comes (gathered here, read from a
+    checkpoint by ``export``; read back by safetensors in the tests)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for item in items:
@@ -417,7 +420,7 @@ def _write_safetensors(path: str, items: list[Item], produce: Iterator[torch.Ten
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for item, t in zip(items, produce):
-            if tuple(t.shape) != item.shape or t.dtype != item.dtype:
+            if tuple(t.shape) != tuple(item.shape) or t.dtype != item.dtype:
                 raise RuntimeError(f"{item.name} came out {tuple(t.shape)} {t.dtype}, "
                                    f"expected {item.shape} {item.dtype}")
             if t.numel():
