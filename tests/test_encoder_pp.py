@@ -18,10 +18,6 @@ inside the head.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -30,7 +26,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_family_matrix import run_script as matrix_run_script
+
 SMALL = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256,
              max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
@@ -164,14 +161,7 @@ CELLS = [("bert", 4), ("roberta", 2)]
 
 
 def run_script(tmp_path: Path, devices: int, cells: list) -> dict:
-    script = tmp_path / "encoder_pp.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / f"cells_{devices}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), json.dumps(cells)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return matrix_run_script(tmp_path, devices, cells, SCRIPT)
 
 
 @pytest.fixture(scope="module")

@@ -75,14 +75,13 @@ def max_rel(got: list[float], ref: list[float]) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_derived_tp_plans_of_encoder_and_seq2seq_families_match_single(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_derived_tp_plans_of_encoder_and_seq2seq_families_match_single(tmp_path: Path) -> None:
     from lightning_par.parallel.hf_tp_verified import VERIFIED_TP_FAMILIES, VERIFIED_TP_OTHER_FAMILIES
 
-    monkeypatch.setattr(matrix, "SCRIPT", script())  # run_script writes the module's SCRIPT
-    ref = matrix.run_script(tmp_path, 1, [(fam, "lp_single") for fam in FAMILIES])
-    got = matrix.run_script(tmp_path, 2, [(fam, "lp_tensor_parallel") for fam in FAMILIES])
-    got.update(matrix.run_script(tmp_path, 4, [(fam, "lp_fsdp_tp") for fam in FSDP_TP]))
+    text = script()
+    ref = matrix.run_script(tmp_path, 1, [(fam, "lp_single") for fam in FAMILIES], text)
+    got = matrix.run_script(tmp_path, 2, [(fam, "lp_tensor_parallel") for fam in FAMILIES], text)
+    got.update(matrix.run_script(tmp_path, 4, [(fam, "lp_fsdp_tp") for fam in FSDP_TP], text))
     for fam in FAMILIES:
         base = ref[f"{fam}/lp_single"]
         assert "error" not in base and len(base["losses"]) == 8 and np.isfinite(base["losses"]).all(), (fam, base)

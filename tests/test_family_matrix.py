@@ -273,9 +273,11 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def run_script(tmp_path: Path, devices: int, cells: list[tuple[str, str]]) -> dict:
-    script = tmp_path / "matrix.py"
-    script.write_text(SCRIPT)
+def run_script(tmp_path: Path, devices: int, cells: list, script_text: str = SCRIPT) -> dict:
+    """``script_text`` (this file's ``SCRIPT``, or another test's with the same command line: out file,
+    world size, cells as JSON) over ``cells`` at ``devices`` ranks; rank 0's results."""
+    script = tmp_path / f"cells_{devices}.py"
+    script.write_text(script_text)
     out = tmp_path / f"cells_{devices}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(script), str(out), str(devices), json.dumps(cells)],
