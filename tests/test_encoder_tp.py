@@ -1,19 +1,21 @@
 """Tensor parallelism for the families transformers declares no plan for and whose plan is derived
 (``parallel/hf_tp_derive.py``, issue 19): BERT and RoBERTa (masked LM: the word embeddings tied to the
 MLM decoder, whose bias is tied to the head's own), T5 (one table for encoder, decoder and LM head;
-the relative position bias split by heads), BART (one table, three uses; ``final_logits_bias``) and
-ViT (classification: CLS token, replicated classifier).
+the relative position bias split by heads), BART (one table, three uses; ``final_logits_bias``),
+ViT (classification: CLS token, replicated classifier) and Falcon (fused ``query_key_value``; the
+registry walk builds its default, multi_query layout, whose one shared key/value head tp cannot
+split, so the layouts that split are measured here).
 
 Two tests:
 
 - the Lightning one: the LightningModule and data of ``tests/test_family_matrix.py`` (its script,
-  with RoBERTa and BART configs added here), trained 8 SGD steps in fp32 by a plain ``Trainer`` under
+  with RoBERTa and BART configs added here; its Falcon is the grouped layout), trained 8 SGD steps in fp32 by a plain ``Trainer`` under
   ``lp_tensor_parallel`` at 2 ranks (tp=2) and ``lp_fsdp_tp`` at 4 (dp=2 x tp=2, BERT and T5), each
   step's loss within rtol 1e-5 of ``lp_single``'s; one process start per world size;
 - the variants one: the plan on the model classes and options the derivation has branches for
   (untied MLM decoder, a classification head, BERT as a decoder with cross-attention, T5's gated MLP
   untied, the encoder alone, BART's scaled embeddings and causal-LM head, GPT-2 with a classification
-  head), whole vs split at tp=2 on one gloo process group: 4 SGD steps, losses rtol 1e-5 and every
+  head, Falcon's grouped and per-head layouts), whole vs split at tp=2 on one gloo process group: 4 SGD steps, losses rtol 1e-5 and every
   parameter (gathered) within atol 2e-5 -- a gradient left unreduced moves a weight by about lr x gradient, ~1e-3.
 
 Which of these families the tensor-parallel strategy accepts is ``hf_tp_verified``'s business; the
@@ -35,7 +37,7 @@ import torch
 from tests import test_family_matrix as matrix
 from tests.dist import run_distributed
 
-FAMILIES = ["bert", "roberta", "t5", "bart", "vit"]
+FAMILIES = ["bert", "roberta", "t5", "bart", "vit", "falcon"]
 FSDP_TP = ["bert", "t5"]
 
 #: added to the matrix script before its driver: our own RoBERTa and BART configs (set here even if the
@@ -122,6 +124,12 @@ VARIANTS = {
     # GPT-2's derived plan outside its LM head: the base model's entries, the score head replicated
     "gpt2_classifier": ("gpt2", "GPT2ForSequenceClassification",
                         dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, num_labels=3), "classify"),
+    # Falcon's fused query_key_value in two of its three layouts (the third, multi_query's one shared
+    # key/value head, is a size tp must divide: refused below): per key/value group (Falcon-40B/180B,
+    # two layer norms in parallel), and (q, k, v) interleaved per head with biases, attention then MLP
+    "falcon_grouped": ("falcon", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2), "causal"),
+    "falcon_per_head": ("falcon", "FalconForCausalLM", dict(multi_query=False, parallel_attn=False, bias=True),
+                        "causal"),
 }
 
 
@@ -228,6 +236,14 @@ def test_derived_plans_split_what_they_must() -> None:
     # sizes tp must divide, named, before launch
     plan = hf_parallel_plan(build("bart", "BartForConditionalGeneration", **dict(BART, decoder_attention_heads=2)))
     assert plan.tp_divisible["decoder attention heads"] == 2
+    # Falcon: one layout's fused rows are whole heads under a column split, the shared k/v of multi_query are not
+    falcon = build("falcon", "FalconForCausalLM")  # multi_query: every query, then one k and one v
+    assert hf_tp_plan(falcon)["transformer.h.*.self_attention.query_key_value"] == "colwise"
+    assert hf_parallel_plan(falcon).tp_divisible["key/value heads"] == 1
+    grouped = hf_parallel_plan(build("falcon", "FalconForCausalLM", new_decoder_architecture=True, num_kv_heads=2))
+    assert grouped.tp_divisible["key/value heads"] == 2
+    with pytest.raises(ValueError, match=r"^FalconForCausalLM \(falcon\): alibi=True: .*no tensor-parallel plan"):
+        hf_tp_plan(build("falcon", "FalconForCausalLM", alibi=True))
     # a fact the plan relies on broken: one line naming the family and the module
     odd = build("t5", "T5ForConditionalGeneration", **T5)
     odd.encoder.block[1].layer[0].SelfAttention.q = torch.nn.Linear(64, 32, bias=False, device="meta")

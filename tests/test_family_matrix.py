@@ -110,7 +110,9 @@ SCRIPT = textwrap.dedent('''
         "gpt_neox": (AutoModelForCausalLM, dict(hidden_dropout=0.0, attention_dropout=0.0)),
         "opt": (AutoModelForCausalLM, dict(ffn_dim=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
                                            tie_word_embeddings=True)),
-        "falcon": (AutoModelForCausalLM, dict(hidden_dropout=0.0, attention_dropout=0.0)),
+        # Falcon-40B/180B's layout: q|k|v fused per key/value group, two layer norms in parallel
+        "falcon": (AutoModelForCausalLM, dict(hidden_dropout=0.0, attention_dropout=0.0, new_decoder_architecture=True,
+                                              num_kv_heads=2)),
         "mixtral": (AutoModelForCausalLM, dict(GQA, num_local_experts=4, num_experts_per_tok=2)),
         "qwen2_moe": (AutoModelForCausalLM, dict(GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  shared_expert_intermediate_size=64)),
@@ -472,12 +474,11 @@ def test_every_family_under_every_strategy_matches_single_or_is_refused_in_one_l
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_derived_and_fused_expert_tp_plans_match_single(tmp_path: Path, ref: dict, four_ranks: dict) -> None:
-    """The tensor-parallel cells issue 19 added, on their own: GPT-2 (tied; plan derived, packed ``c_attn``)
-    and OPT (tied; derived) and Mixtral and Qwen2-MoE (their own plans: ``packed_colwise`` experts,
-    ``moe_tp_experts``) under lp_tensor_parallel at 2 ranks, GPT-2 and OPT (tied) under lp_fsdp_tp at 4 (dp=2 x tp=2)
+    """The tensor-parallel cells issue 19 added, on their own: GPT-2 (tied; plan derived, packed ``c_attn``),
+    OPT (tied; derived), Falcon (tied; derived, ``query_key_value`` fused per key/value group), and Mixtral
+    and Qwen2-MoE (their own plans: ``packed_colwise`` experts, ``moe_tp_experts``) under lp_tensor_parallel at 2 ranks, GPT-2 and OPT (tied) under lp_fsdp_tp at 4 (dp=2 x tp=2)
     and Mixtral at tp=2 x ep=2 (expert parallelism splits the experts, tensor parallelism leaves them
-    whole: never both), each step's loss within rtol 1e-5 of lp_single's; Falcon (fused
-    ``query_key_value``, no plan derived) refused in one line naming it. The 4-rank cells share their
+    whole: never both), each step's loss within rtol 1e-5 of lp_single's. The 4-rank cells share their
     processes with the matrix's HSDP cells (``four_ranks``)."""
     fams = ["gpt2", "opt", "mixtral", "qwen2_moe", "falcon"]
     got = run_script(tmp_path, 2, [(fam, "lp_tensor_parallel") for fam in fams])
@@ -486,10 +487,7 @@ def test_derived_and_fused_expert_tp_plans_match_single(tmp_path: Path, ref: dic
         fam = key.split("/")[0]
         outcome = classify(cell, ref[f"{fam}/lp_single"]["losses"])
         print(f"  {key:28s} {outcome:10s} {cell.get('error', '')[:150]}")
-        if fam == "falcon":
-            assert outcome == "refused" and "(falcon)" in cell["error"], cell
-        else:
-            assert outcome == "parity", (key, outcome)
+        assert outcome == "parity", (key, outcome)
 
 
 def world_of(strategy: str) -> int:

@@ -59,16 +59,7 @@ def _one(model_type: str) -> tuple[str, str]:
     from lightning_par.parallel.pipeline import build_stage_modules
 
     try:
-        try:
-            config = tiny_config(model_type)
-        except AttributeError as e:  # Falcon: head_dim is a property of its config, not a field
-            if "head_dim" not in str(e):
-                raise
-            from transformers import AutoConfig
-
-            from lightning_par.models.hf_registry import TINY
-
-            config = AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if k != "head_dim"})
+        config = tiny_config(model_type)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config)
         if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:

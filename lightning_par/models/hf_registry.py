@@ -36,10 +36,13 @@ def default_config(model_type: str) -> Any:
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
-    """The family's config at the ``TINY`` sizes (plus ``overrides``)."""
-    from transformers import AutoConfig
+    """The family's config at the ``TINY`` sizes (plus ``overrides``). A size the family's config derives
+    rather than stores (Falcon's ``head_dim``, a read-only property) is left to it."""
+    from transformers import AutoConfig, CONFIG_MAPPING
 
-    return AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    cls = CONFIG_MAPPING[model_type]
+    derived = {k for k in TINY if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None}
+    return AutoConfig.for_model(model_type, **{k: v for k, v in {**TINY, **overrides}.items() if k not in derived})
 
 
 def declared_tp_plan(model_type: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Tensor-parallel plans for Hugging Face families that declare none but whose layout is standard.
 
-transformers declares no ``base_model_tp_plan`` for GPT-2, OPT, BERT, RoBERTa, T5, BART or ViT, yet
-each is Megatron-LM's layout: attention projections split by heads then a row-split output
+transformers declares no ``base_model_tp_plan`` for GPT-2, OPT, Falcon, BERT, RoBERTa, T5, BART or ViT,
+yet each is Megatron-LM's layout: attention projections split by heads then a row-split output
 projection, a two-linear MLP, and (language models) a vocabulary-split embedding tied to the LM head.
 A derivation here writes that plan in our style names (``tp_styles.STYLES``) for one family -- the
 base model's entries, prefixed by ``base_model_prefix`` where a head class holds the base model under
@@ -49,10 +49,18 @@ of q/k/v is a split of the heads; the head counts they keep (``num_heads``, ...)
   own ``cls_token``, ``position_embeddings`` and ``mask_token`` (parameters, not modules) replicated
   and used as local tensors, its patch convolution replicated; the classifier reads the replicated
   CLS row, replicated.
-- Falcon: refused. Its fused ``query_key_value`` packs q|k|v per key/value group, in a layout that
-  changes with ``new_decoder_architecture``, ``multi_query`` and ``num_kv_heads`` (a kv group's queries
-  then its k and v; or all queries then one shared k, v); splitting it right needs a per-layout
-  permutation that is not written, and a wrong one would train a different model silently.
+- Falcon: ``query_key_value`` fuses q, k and v, in one of three layouts chosen by its config (read
+  in ``FalconAttention._split_heads``), each of which a plain column split cuts at whole heads:
+  ``new_decoder_architecture`` packs per key/value group (that group's queries, then its k, then its
+  v), so contiguous rows are whole groups when tp divides ``num_kv_heads``; the original layout
+  without ``multi_query`` interleaves (q, k, v) per head, whole heads when tp divides the heads;
+  ``multi_query`` puts every query first and one k and one v shared by all of them after, which no
+  split keeps whole -- its one key/value head is a size tp must divide (tp=1), the same rule as any
+  grouped-query model's. The forward views the fused output by ``num_heads`` and ``num_kv_heads``
+  (divided), ``dense`` rowwise, the MLP's ``dense_h_to_4h`` colwise and ``dense_4h_to_h`` rowwise,
+  the word table and the tied head by vocabulary. ``alibi=True`` is refused in one line:
+  ``FalconModel.forward`` builds the ALiBi biases of all heads and each attention views them by its
+  local head count, so a split one would add other heads' slopes.
 """
 
 from __future__ import annotations
@@ -82,6 +90,8 @@ class Derivation:
     #: head classes lack: T5EncoderModel's decoder, BartForCausalLM's encoder)
     needs: dict[str, str] = field(default_factory=dict)
     cross_attention: bool = False  #: the plan covers ``add_cross_attention``'s layers
+    #: config -> why this configuration cannot be split (one line), or None
+    refuse: Callable[[object], str | None] | None = None
 
 
 def _hidden(cfg: object) -> int:
@@ -114,6 +124,31 @@ def _bart_sizes(cfg: object) -> dict[str, int]:
 
 def _vit_sizes(cfg: object) -> dict[str, int]:
     return {"attention heads": cfg.num_attention_heads, "MLP size": cfg.intermediate_size}
+
+
+def _falcon_qkv_width(cfg: object) -> int:
+    """``query_key_value``'s output features in each of Falcon's three layouts."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.new_decoder_architecture:
+        return (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * head_dim
+    return cfg.hidden_size + 2 * head_dim if cfg.multi_query else 3 * cfg.hidden_size
+
+
+def _falcon_sizes(cfg: object) -> dict[str, int]:
+    if cfg.new_decoder_architecture:
+        kv = cfg.num_kv_heads  # the fused rows are whole key/value groups
+    else:
+        kv = 1 if cfg.multi_query else cfg.num_attention_heads  # one shared k/v, or (q, k, v) per head
+    return {"attention heads": cfg.num_attention_heads, "key/value heads": kv,
+            "MLP size": cfg.ffn_hidden_size or 4 * cfg.hidden_size, "vocab_size": cfg.vocab_size}
+
+
+def _falcon_refuse(cfg: object) -> str | None:
+    if getattr(cfg, "alibi", False):
+        return ("alibi=True: FalconModel.forward builds the ALiBi biases of all heads and each attention views "
+                "them by its own head count, so a rank holding some heads would add other heads' slopes; no "
+                "tensor-parallel plan is derived for it (use fsdp or zero3)")
+    return None
 
 
 def _bert_like(head: dict[str, str]) -> Derivation:
@@ -272,14 +307,29 @@ DERIVED: dict[str, Derivation] = {
     "t5": _t5(),
     "bart": _bart(),
     "vit": _vit(),
+    "falcon": Derivation(
+        base={
+            "word_embeddings": "embedding",
+            "h.*.self_attention.query_key_value": "colwise",  # whole heads or groups: see the module's text
+            "h.*.self_attention": "divide_attrs:num_heads,num_kv_heads",
+            "h.*.self_attention.dense": "rowwise",
+            "h.*.mlp.dense_h_to_4h": "colwise",
+            "h.*.mlp.dense_4h_to_h": "rowwise",
+        },
+        head={"lm_head": "output"},
+        expect={
+            "h.*.self_attention.query_key_value": ("Linear", "out_features", _falcon_qkv_width),
+            "h.*.self_attention": (None, "num_kv_heads", None),
+            "h.*.self_attention.dense": ("Linear", "in_features", _hidden),
+            "h.*.mlp.dense_h_to_4h": ("Linear", None, None),
+            "h.*.mlp.dense_4h_to_h": ("Linear", None, None),
+            "word_embeddings": ("Embedding", None, None),
+            "lm_head": ("Linear", None, None),
+        },
+        divisible=_falcon_sizes,
+        refuse=_falcon_refuse,
+    ),
 }
-
-#: families whose layout we looked at and do not derive: one line each, said when tp is asked for
-NOT_DERIVED = {
-    "falcon": "Falcon's fused query_key_value packs q|k|v per key/value group in a layout that depends on "
-              "new_decoder_architecture, multi_query and num_kv_heads; no tensor-parallel plan is derived for it",
-}
-
 
 def _model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
@@ -312,12 +362,13 @@ def derived_tp_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, int]]:
 
     mt = _model_type(model)
     who = f"{type(model).__name__} ({mt})"
-    if mt in NOT_DERIVED:
-        raise ValueError(f"{who}: {NOT_DERIVED[mt]}")
     spec = DERIVED.get(mt)
     if spec is None:
         return {}, {}
     cfg = model.config
+    why = spec.refuse(cfg) if spec.refuse is not None else None
+    if why:
+        raise ValueError(f"{who}: {why}")
     if getattr(cfg, "add_cross_attention", False) and not spec.cross_attention:
         raise ValueError(f"{who}: cross-attention layers are not in the derived tensor-parallel plan; build it with "
                          "add_cross_attention=false")

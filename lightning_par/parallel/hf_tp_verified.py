@@ -10,8 +10,9 @@ mixer) would otherwise train a different model without a word. Families that dec
 one derived (``hf_tp_derive.py``: GPT-2, OPT, BERT, RoBERTa, BART) are measured and gated the same way.
 Measured with transformers 5.24.
 
-Families outside that walk -- not causal LMs (T5, ViT) or larger than its size limit at its tiny sizes
-(BART: twelve 4096-wide decoder layers by default) -- are measured by ``tests/test_encoder_tp.py``
+Families outside that walk -- not causal LMs (T5, ViT), larger than its size limit at its tiny sizes
+(BART: twelve 4096-wide decoder layers by default), or built there in a layout tp cannot split (Falcon's
+default ``multi_query``: one key/value head) -- are measured by ``tests/test_encoder_tp.py``
 instead (``VERIFIED_TP_OTHER_FAMILIES``): the derived plan trains 8 steps under ``lp_tensor_parallel``
 (and T5 under ``lp_fsdp_tp``) with losses within rtol 1e-5 of ``lp_single``, and every parameter of
 each head class the derivation covers within 2e-5 of the unsplit model after 4 steps.
@@ -28,14 +29,14 @@ VERIFIED_TP_FAMILIES = frozenset({
     "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gptj", "granite",
     "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
     "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "lfm2",
-    "llama", "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
+    "llama", "llama4_text", "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
     "ministral3", "mistral", "mixtral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "opt", "phi", "phi3", "qwen2",
     "qwen2_moe", "qwen3", "qwen3_moe", "roberta", "sarvam_mla", "seed_oss", "smollm3", "solar_open", "starcoder2",
     "vaultgemma"
 })
 
 #: derived plans measured by ``tests/test_encoder_tp.py`` rather than the registry walk (see above)
-VERIFIED_TP_OTHER_FAMILIES = frozenset({"bart", "t5", "vit"})
+VERIFIED_TP_OTHER_FAMILIES = frozenset({"bart", "falcon", "t5", "vit"})
 
 
 def tp_unverified_reason(model: object) -> str:

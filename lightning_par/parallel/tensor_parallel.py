@@ -160,6 +160,19 @@ class ReplicatedSequenceParallel(SequenceParallel):
             module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
+class OwnedRowwiseParallel(RowwiseParallel):
+    """torch's ``RowwiseParallel`` whose local output is a tensor of its own. torch's ``to_local`` hands
+    out a view made inside an autograd Function, and autograd forbids modifying such a view in place;
+    decoder layers do exactly that to a row-split projection's output (Falcon's
+    ``mlp_output += attention_output``, Llama-4's residual add). One copy of the reduced output, no
+    extra memory held: the reduced tensor it copies is freed at once."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output and not isinstance(out, DTensor) else out
+
+
 def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None = None) -> ParallelStyle | None:
     seq = Shard(1)  # (B, T, C): the sequence dim
     base, arg = parse_style(name)
@@ -174,9 +187,9 @@ def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None
     if name == "colwise":
         return ColwiseParallel()  # under SP the owning module all-gathers the input (see below)
     if name == "rowwise":
-        return RowwiseParallel(output_layouts=seq) if sp else RowwiseParallel()
+        return OwnedRowwiseParallel(output_layouts=seq) if sp else OwnedRowwiseParallel()
     if name == "embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        return OwnedRowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
     if name == "output":
         return ColwiseParallel(input_layouts=seq if sp else Replicate(),
                                output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -188,7 +201,7 @@ def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None
     if name == "colwise_gather":
         return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
     if name == "rowwise_split":  # a replicated input, split locally (no communication) to match the rows
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        return OwnedRowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
     if name == "embedding_colwise":  # ColwiseParallel on an nn.Embedding splits the hidden columns
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
     if name == "replicate_local_heads":
