@@ -15,7 +15,11 @@ Per case: wall time of the load (process start excluded: from just before the ca
 and every rank's peak RSS (``ru_maxrss``, which counts mapped file pages it touched), against the
 full model's bytes, with what the process held before loading (torch, Lightning and transformers
 imported) and the growth over it. Under fsdp at 2 ranks the target is a per-rank peak below 0.6x
-the model.
+the model. What the process holds before loading depends on the environment: Lightning imports
+torchmetrics, which imports scipy and matplotlib when they are installed (the test extra installs
+them), and transformers imports torchao when present; each row names those it found imported. Run
+it with the interpreter of the environment to measure, e.g. one made by ``pip install
+"lightning_par[hf]"`` (what fine-tuning a checkpoint needs).
 
     python benchmarks/bench_pretrained_load.py                      # ~1.2B, all cases
     python benchmarks/bench_pretrained_load.py --layers 2 --cases lp_fsdp   # a quick look
@@ -80,8 +84,9 @@ LOAD = textwrap.dedent('''
         # touch every parameter once, so the time and memory are those of a model in memory
         sum(float(p.detach().sum()) for p in net.parameters())
         seconds = time.perf_counter() - start
+        extras = sorted(m for m in ("scipy", "pandas", "matplotlib", "torchao", "pyarrow") if m in sys.modules)
         json.dump({"seconds": seconds, "rss": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
-                   "base": [base]}, open(out, "w"))
+                   "base": [base], "extras": extras}, open(out, "w"))
         sys.exit(0)
     import lightning as L
     import lightning_par.models
@@ -102,6 +107,9 @@ LOAD = textwrap.dedent('''
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
+    # what else the imports pulled in: torchmetrics (imported by Lightning) imports scipy and matplotlib when
+    # they are installed, transformers imports torchao; in the test environment they weigh ~0.1 GiB per rank
+    extras = sorted(m for m in ("scipy", "pandas", "matplotlib", "torchao", "pyarrow") if m in sys.modules)
     devices = 1 if case == "lp_single" else 2
     trainer = L.Trainer(strategy=case, devices=devices, accelerator="cpu", max_steps=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -114,7 +122,8 @@ LOAD = textwrap.dedent('''
     bases = trainer.strategy.all_gather(base).flatten().tolist() if devices > 1 else base.tolist()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.lightning_module.parameters())
     if trainer.is_global_zero:
-        json.dump({"seconds": seconds, "rss": gathered, "base": bases, "local_params": local}, open(out, "w"))
+        json.dump({"seconds": seconds, "rss": gathered, "base": bases, "local_params": local, "extras": extras},
+                  open(out, "w"))
 ''')
 
 
@@ -137,6 +146,8 @@ def main() -> None:
         model_bytes = int(done.stdout.split()[-1])
         print(f"checkpoint: Llama-shaped, {model_bytes / 4 / 1e9:.2f}B parameters, fp32 {model_bytes / 2**30:.2f} GiB, "
               f"{len(list(ckpt.glob('*.safetensors')))} files; torch threads 1 per process; CPU")
+        import importlib.metadata as md
+        print("installed: " + ", ".join(f"{d} {md.version(d)}" for d in ("torch", "lightning", "transformers")))
         print(f"{'case':14s} {'ranks':>5s} {'load s':>8s} {'peak RSS per rank (GiB)':>26s} {'max / model':>12s} "
               f"{'before load (GiB)':>18s} {'(peak - before) / model':>24s}")
         script = Path(tmp) / "load.py"  # a file: Lightning's launcher starts the other ranks by re-running it
@@ -152,7 +163,8 @@ def main() -> None:
             per_rank = " ".join(f"{x / 2**30:.2f}" for x in r["rss"])
             grown = max(p - b for p, b in zip(r["rss"], r["base"]))
             print(f"{case:14s} {ranks:5d} {r['seconds']:8.1f} {per_rank:>26s} {max(r['rss']) / model_bytes:12.2f} "
-                  f"{max(r['base']) / 2**30:18.2f} {grown / model_bytes:24.2f}")
+                  f"{max(r['base']) / 2**30:18.2f} {grown / model_bytes:24.2f}  "
+                  f"imported beside: {', '.join(r['extras']) or 'none of scipy, pandas, matplotlib, torchao, pyarrow'}")
 
 
 if __name__ == "__main__":
