@@ -22,7 +22,10 @@ def _single_thread_and_clean_pg():
 # transformers, then each child doing the same while rank 0 waits at the rendezvous -- so a second
 # test fills the idle core. The multirun sweeps in ``tests/sweeps.py`` are cached per test session,
 # and a worker is a session: every module that reads them is one group, run by one worker, so each
-# sweep still runs once. Every other test is handed out on its own.
+# sweep still runs once. Every other module is a group of its own: xdist hands ungrouped tests out
+# one at a time, alternately, so a module's tests landed on both workers and each worker built the
+# module's fixtures -- the multi-process runs a module shares among its tests (the family matrix's
+# references, the export test's trained checkpoints, ...) ran twice.
 @functools.lru_cache(maxsize=None)
 def _reads_shared_sweeps(path: str) -> bool:
     """Whether the test module at ``path`` uses ``tests/sweeps.py`` (imports it, at the top or in a test)."""
@@ -33,5 +36,7 @@ def _reads_shared_sweeps(path: str) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _reads_shared_sweeps(str(item.path)):
-            item.add_marker(pytest.mark.xdist_group("shared_sweeps"))
+        if item.get_closest_marker("xdist_group") is not None:  # a module that names its group itself
+            continue
+        group = "shared_sweeps" if _reads_shared_sweeps(str(item.path)) else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
