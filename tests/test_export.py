@@ -326,8 +326,8 @@ def test_transformers_save_pretrained_on_every_rank_of_a_sharded_model(trained: 
         saved = trained / "saved" / cell
         run = _checkpoint_model(trained / fam, trained / "ckpt" / f"{cell}.ckpt")  # the run's final weights
         # transformers' own save of them, unsharded, from a model made as the run made it: from the config
-        # models.from_pretrained built (no KV cache, no dropout: the config is written as the model has it), not
-        # loaded by transformers (which orders the files of a model it loaded otherwise)
+        # models.from_pretrained built (no dropout: the config is written as the model has it), not loaded by
+        # transformers (which orders the files of a model it loaded otherwise)
         reference = AutoModelForCausalLM.from_config(pretrained_config(trained / fam), dtype=torch.float32)
         reference.load_state_dict(run.state_dict())
         reference.save_pretrained(tmp_path / cell, max_shard_size="100KB")
@@ -341,6 +341,9 @@ def test_transformers_save_pretrained_on_every_rank_of_a_sharded_model(trained: 
                     torch.testing.assert_close(ours[name][key], t, rtol=0, atol=0, msg=f"{cell} {key}")
             else:
                 assert ours[name] == content, f"{cell} {name}"
+        # the checkpoint's use_cache, not the run's (training asks for no cache): generation loads as it did
+        assert ours["config.json"]["use_cache"] is json.loads((trained / fam / "config.json").read_text()).get(
+            "use_cache", True) is True, cell
         loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
         torch.testing.assert_close(_logits(loaded, ids), _logits(run, ids), rtol=0, atol=0)
         assert AutoTokenizer.from_pretrained(saved)("a b c")["input_ids"] == [1, 2, 0]

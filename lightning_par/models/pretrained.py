@@ -20,6 +20,7 @@ context; this is the call to use in ``configure_model``::
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,6 @@ def pretrained_config(directory: str | Path, *, attn_implementation: str | None 
         for key in _DROPOUT_KEYS:
             if isinstance(getattr(cfg, key, None), float):
                 setattr(cfg, key, 0.0)
-    cfg.use_cache = False
     for key, value in overrides.items():
         setattr(cfg, key, value)
     if attn_implementation is not None:
@@ -83,10 +83,25 @@ def build_pretrained(cfg: Any, directory: str | Path, device: torch.device | str
     if check:
         check_pretrained(meta, SafetensorsWeights(directory))
     if device.type == "meta":
-        return mark_pretrained(meta, str(directory))
+        return _no_cache_by_default(mark_pretrained(meta, str(directory)))
     net = auto.from_pretrained(str(directory), config=cfg, dtype=torch.get_default_dtype(), local_files_only=True,
                                attn_implementation=cfg._attn_implementation)
-    return net.to(device)
+    return _no_cache_by_default(net.to(device))
+
+
+def _no_cache_by_default(net: nn.Module) -> nn.Module:
+    """Calls that do not ask for the key/value cache get none: training keeps no cache of every layer's
+    keys and values. The config keeps the checkpoint's ``use_cache``, so what ``save_pretrained`` or
+    the export writes loads for generation as the checkpoint did (``generate`` passes it explicitly)."""
+    if "use_cache" not in inspect.signature(net.forward).parameters:
+        return net
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        kwargs.setdefault("use_cache", False)
+        return args, kwargs
+
+    net.register_forward_pre_hook(hook, with_kwargs=True)
+    return net
 
 
 def from_pretrained(directory: str | Path, *, attn_implementation: str = "sdpa", dropout: bool = False,
