@@ -128,6 +128,9 @@ VARIANTS = {
     # key/value head, is a size tp must divide: refused below): per key/value group (Falcon-40B/180B,
     # two layer norms in parallel), and (q, k, v) interleaved per head with biases, attention then MLP
     "falcon_grouped": ("falcon", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2), "causal"),
+    # two groups per rank: whole groups, each its queries then its k and v (not all queries, then k, v)
+    "falcon_grouped_2": ("falcon", "FalconForCausalLM",
+                         dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=4), "causal"),
     "falcon_per_head": ("falcon", "FalconForCausalLM", dict(multi_query=False, parallel_attn=False, bias=True),
                         "causal"),
 }
@@ -173,7 +176,7 @@ def _variants(rank: int, world: int, names: list[str]) -> dict[str, tuple[str, f
     for name in names:
         mt, cls, options, kind = VARIANTS[name]
         torch.manual_seed(0)
-        config = transformers.AutoConfig.for_model(mt, **SMALL, **options)
+        config = transformers.AutoConfig.for_model(mt, **{**SMALL, **options})
         config._attn_implementation = "eager"
         whole = getattr(transformers, cls)(config).float()
         split = copy.deepcopy(whole)
@@ -218,7 +221,7 @@ def test_derived_plans_split_what_they_must() -> None:
 
     def build(mt: str, cls: str, **options: object) -> torch.nn.Module:
         with torch.device("meta"):
-            return getattr(transformers, cls)(transformers.AutoConfig.for_model(mt, **SMALL, **options))
+            return getattr(transformers, cls)(transformers.AutoConfig.for_model(mt, **{**SMALL, **options}))
 
     t5 = hf_tp_plan(build("t5", "T5ForConditionalGeneration", **T5))
     assert t5["encoder.block.*.layer.0.SelfAttention.relative_attention_bias"] == "colwise"  # by heads

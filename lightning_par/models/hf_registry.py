@@ -42,7 +42,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 
     cls = CONFIG_MAPPING[model_type]
     derived = {k for k in TINY if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None}
-    return AutoConfig.for_model(model_type, **{k: v for k, v in {**TINY, **overrides}.items() if k not in derived})
+    return AutoConfig.for_model(model_type, **{**{k: v for k, v in TINY.items() if k not in derived}, **overrides})
 
 
 def declared_tp_plan(model_type: str) -> dict[str, str]:

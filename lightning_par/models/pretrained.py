@@ -91,16 +91,22 @@ def build_pretrained(cfg: Any, directory: str | Path, device: torch.device | str
 
 def _no_cache_by_default(net: nn.Module) -> nn.Module:
     """Calls that do not ask for the key/value cache get none: training keeps no cache of every layer's
-    keys and values. The config keeps the checkpoint's ``use_cache``, so what ``save_pretrained`` or
-    the export writes loads for generation as the checkpoint did (``generate`` passes it explicitly)."""
-    if "use_cache" not in inspect.signature(net.forward).parameters:
+    keys and values. The config keeps the checkpoint's ``use_cache``, which ``save_pretrained`` writes
+    and ``generate`` reads (it passes ``use_cache`` explicitly); ``lightning-par-export`` writes
+    ``use_cache: true``, transformers' default. The hook goes on the outermost module whose forward
+    names ``use_cache`` (a head class that takes it through ``**kwargs``, as Granite-MoE's, passes it
+    on to its base model, which names it)."""
+    base = getattr(net, getattr(net, "base_model_prefix", "") or "", None)
+    target = next((m for m in (net, base) if isinstance(m, nn.Module)
+                   and "use_cache" in inspect.signature(m.forward).parameters), None)
+    if target is None:
         return net
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         kwargs.setdefault("use_cache", False)
         return args, kwargs
 
-    net.register_forward_pre_hook(hook, with_kwargs=True)
+    target.register_forward_pre_hook(hook, with_kwargs=True)
     return net
 
 
