@@ -77,6 +77,7 @@ class Cluster:
     host_link_gbs: float = 25.0  # device <-> host GB/s per device (offload)
     host_memory_gb: float | None = None  # GiB of host memory per node; None: not stated (not checked)
     nvme_gb: float | None = None  # GiB of local disk (NVMe) per node for the disk tier; None: no disk tier
+    nvme_gbs: float = 3.0  # GB/s the node's NVMe reads and writes, shared by its ranks (one PCIe 4 drive: 3-7)
 
     @property
     def devices(self) -> int:
@@ -289,10 +290,12 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
         comm = {}
     bandwidth = _axis_bandwidth(mesh, cluster)
     offloaded = u["total"] // max(1, lo.shard) if lo.cpu_offload else 0
+    disk_gbs = cluster.nvme_gbs / min(n, cluster.devices_per_node) if lo.disk_offload else None
     time = step_time(shape, traffic=e.comm, mesh={k: v for k, v in mesh.items() if v > 1},
                      global_batch=ask.global_batch, comm=comm, bandwidth_gbs=bandwidth, device=cluster.device,
                      compute_bytes=act_bytes, recompute=ask.checkpointing, schedule=lo.schedule, micro_batches=steps,
-                     virtual_stages=lo.virtual_stages, offloaded_params=offloaded, accumulate=steps)
+                     virtual_stages=lo.virtual_stages, offloaded_params=offloaded, accumulate=steps,
+                     disk_gbs=disk_gbs)
     host = mem.offloaded * min(n, cluster.devices_per_node)
     disk = mem.on_disk * min(n, cluster.devices_per_node)
     fits = mem.peak <= ask.budget and (ask.host_budget is None or host <= ask.host_budget) and (
@@ -416,8 +419,9 @@ def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[st
     n = len(fitting)
     out = [f"of the {n} plan{'s' if n > 1 else ''} that fit{'' if n > 1 else 's'}, {best.label} predicts the "
            f"shortest step: {t.total:.3f} s "
-           f"(compute {t.compute:.3f} s, exposed communication {t.comm_exposed:.3f} s, bubble {t.bubble:.3f} s"
-           + (f", host optimizer step {t.offload:.3f} s" if t.offload else "") + f"), MFU {100 * t.mfu:.0f}%"]
+           f"(compute {t.compute:.3f} s, exposed communication and offload copies {t.comm_exposed:.3f} s, bubble "
+           f"{t.bubble:.3f} s" + (f", {'paged (disk tier)' if best.disk_bytes else 'host'} optimizer step {t.offload:.3f} s"
+                                   if t.offload else "") + f"), MFU {100 * t.mfu:.0f}%"]
     others = sorted((c for c in fitting if c.strategy != best.strategy), key=lambda c: c.seconds)
     if others:
         o = others[0]

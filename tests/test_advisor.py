@@ -350,6 +350,13 @@ def test_disk_tier_when_only_nvme_holds_the_offloaded_states():
     (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
     assert command.startswith("python run.py strategy=zero3_offload ") and "strategy.offload_dir=" in command, out
     assert "zero3_offload disk" in out and "do not fit the host memory stated (256 GiB per node)" in out, out
+    # its step time includes the disk (--nvme-gbs, the node's, shared by its ranks: one here): at 1 GB/s the
+    # paged optimizer step moves 32 bytes per parameter through it; at 1000 GB/s the host's Adam (28 bytes per
+    # parameter at 20 GB/s) is the longer: 32 / 1.4 times less
+    step = re.search(r"paged \(disk tier\) optimizer step ([\d.]+) s", advisor([*args, "--nvme", "2000", "--nvme-gbs", "1"]))
+    fast = re.search(r"paged \(disk tier\) optimizer step ([\d.]+) s", advisor([*args, "--nvme", "2000", "--nvme-gbs", "1000"]))
+    assert step and fast, out
+    assert float(step.group(1)) / float(fast.group(1)) == pytest.approx(32 / 1.4, rel=1e-3)
     with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()) as plain:
         main(args)
     assert e.value.code == 2 and "Recommended: nothing fits" in plain.getvalue()

@@ -70,6 +70,17 @@ def test_overlap_bubble_and_offload():
     off = step_time(shape, traffic="fsdp", mesh={"dp_shard": 8}, global_batch=64, comm={}, bandwidth_gbs={},
                     device=dev, offloaded_params=n // 8)
     assert off.offload == pytest.approx(28 * (n // 8) / (dev.host_adam_gbs * 1e9))
+    # the disk tier: the step takes the longer of the host's Adam and its states in and out of the files
+    # (32 bytes per parameter), and the gathers' reads and the gradient accumulation run beside compute
+    slow_disk = step_time(shape, traffic="fsdp", mesh={"dp_shard": 8}, global_batch=64, comm={}, bandwidth_gbs={},
+                          device=dev, offloaded_params=n // 8, disk_gbs=0.5)
+    fast_disk = step_time(shape, traffic="fsdp", mesh={"dp_shard": 8}, global_batch=64, comm={}, bandwidth_gbs={},
+                          device=dev, offloaded_params=n // 8, disk_gbs=1e4)
+    assert slow_disk.offload == pytest.approx(32 * (n // 8) / 0.5e9) and slow_disk.offload > off.offload
+    assert fast_disk.offload == off.offload and fast_disk.total == pytest.approx(off.total)
+    reads = 16 * (n // 8) / 0.5e9  # per micro-batch, beside the compute: exposed only beyond it
+    assert slow_disk.comm_exposed == pytest.approx(max(0.0, reads + (2 * 2 + 4) * (n // 8) / (dev.host_link_gbs * 1e9)
+                                                       - slow_disk.compute))
 
 
 def test_critical_path_latency_counts_collectives():

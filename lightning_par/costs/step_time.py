@@ -30,6 +30,13 @@
   host link (overlapped with compute like the gathers); the optimizer step then runs on the host
   (``host_adam_gbs``: bytes of parameters, gradients and fp32 states read and written per second),
   after backward, exposed whole.
+- **disk tier** (the same states in files, ``parallel/disk_offload.py``; ``disk_gbs``: this rank's
+  share of its node's disk bandwidth, read and write alike): the worst case, states larger than
+  the page cache. Every micro-batch reads the parameter shard in the forward and backward gathers
+  and reads and writes the gradient shard it accumulates into (16 bytes per parameter: fp32 files),
+  beside compute like the host copies; the step reads parameters, gradients and both moments and
+  writes them back (32 bytes per parameter), its prefetch and write-back threads running beside the
+  host's Adam, so the step takes the longer of the two.
 
 The figures are a model, not a measurement: a plan's rank among others is what the advisor uses.
 ``benchmarks/bench_step_time.py`` checks that rank against measured CPU step times.
@@ -127,13 +134,14 @@ def data_parallel_calls(traffic: str, shape: Shape, mesh: dict[str, int], forwar
 def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch: int, comm: dict[str, dict[str, int]],
               bandwidth_gbs: dict[str, float], device: Device, compute_bytes: int = 2, recompute: bool = False,
               schedule: str = "1f1b", micro_batches: int = 1, virtual_stages: int = 1,
-              offloaded_params: int = 0, accumulate: int = 1) -> StepTime:
+              offloaded_params: int = 0, accumulate: int = 1, disk_gbs: float | None = None) -> StepTime:
     """The step time of one plan. ``traffic``: the strategy's traffic model (``StrategyEntry.comm``);
     ``mesh``: axis sizes (``pp``, ``tp``, ``ep``, ``dp_*``); ``global_batch``:
     sequences per optimizer step over the whole job; ``comm``: ``costs/comm.step_comm_bytes``'s bytes;
     ``compute_bytes``: 2 when the matmuls run in bf16/fp16 (the peak is the bf16 one), 4 in fp32 (TF32:
     half of it); ``micro_batches`` / ``virtual_stages``: the pipeline's; ``offloaded_params``: parameters
-    of this rank's shard kept in host memory (ZeRO-3 offload); ``accumulate``: forwards per step."""
+    of this rank's shard kept in host memory (ZeRO-3 offload); ``accumulate``: forwards per step;
+    ``disk_gbs``: the offloaded states are in files (the disk tier), read and written at this rank's GB/s."""
     devices = 1
     for size in mesh.values():
         devices *= int(size)
@@ -163,6 +171,9 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
         hidden += copies
         # the host Adam step reads parameters, gradients and both moments and writes three of them back
         offload = 28 * offloaded_params / (device.host_adam_gbs * 1e9)
+        if disk_gbs is not None:
+            hidden += 16 * accumulate * offloaded_params / (disk_gbs * 1e9)  # gathers' reads, gradient accumulation
+            offload = max(offload, 32 * offloaded_params / (disk_gbs * 1e9))  # paged step: every state in and out
     exposed += max(0.0, device.overlap * hidden - compute) + (1 - device.overlap) * hidden
     forwards = micro_batches if pp > 1 else accumulate
     calls = 0

@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> Advice:
     ap.add_argument("--nvme", type=float, default=None,
                     help="GiB of local disk (NVMe) per node for the disk tier of offload (zero3_offload "
                          "strategy.offload_dir); tried when CPU offload does not fit --host-memory (default: none)")
+    ap.add_argument("--nvme-gbs", type=float, default=3.0,
+                    help="GB/s the node's NVMe reads and writes, shared by its ranks: the disk tier's step time "
+                         "(default: %(default)s)")
     ap.add_argument("--host-link-gbs", type=float, default=25.0,
                     help="GB/s between a device and the host, for offload (default: %(default)s)")
     ap.add_argument("--no-checkpointing", action="store_true", help="assume no activation checkpointing")
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> Advice:
     try:
         shape, preset = shape_from_args(args)
         for name in ("nodes", "devices_per_node", "device_memory", "intra_node_gbs", "inter_node_gbs",
-                     "micro_batch_size", "global_batch", "peak_tflops", "host_memory", "host_link_gbs", "nvme"):
+                     "micro_batch_size", "global_batch", "peak_tflops", "host_memory", "host_link_gbs", "nvme",
+                     "nvme_gbs"):
             value = getattr(args, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> Advice:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
         cluster = Cluster(args.nodes, args.devices_per_node, args.device_memory, args.intra_node_gbs,
                           args.inter_node_gbs, args.peak_tflops, args.efficiency, args.host_link_gbs, args.host_memory,
-                          args.nvme)
+                          args.nvme, args.nvme_gbs)
         advice = advise(shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
                         checkpointing=not args.no_checkpointing, preset=preset, global_batch=args.global_batch)
     except ValueError as exc:
