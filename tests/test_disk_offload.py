@@ -163,12 +163,88 @@ def test_file_tier_releases_pages_and_keeps_data(tmp_path):
     assert out.stdout.startswith(f"{DiskFullError.__name__} ") and "disk tier: no room for 1.0 MiB" in out.stdout, out
 
 
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
+def _peak_rss_file_during(fn) -> tuple[object, int]:  # noqa: ANN001
+    """``fn()``'s result and the largest growth of this process's file-backed resident memory while it ran
+    (sampled by a thread every 0.2 ms)."""
+    import threading
+
+    base, peak, done = _rss_file(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_file() - base)
+            done.wait(0.0002)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        out = fn()
+    finally:
+        done.set()
+        t.join()
+    return out, max(peak[0], _rss_file() - base)
+
+
+def test_clipping_reads_the_gradient_files_a_chunk_at_a_time(tmp_path):
+    """``trainer.gradient_clip_val`` under the disk tier: the strategy routes Lightning's clipping to the
+    paged optimizer, which reads and scales the gradient files a chunk (1 MiB here) at a time. The same
+    clipping as torch's (norm and scaled gradients, rtol 1e-6), while the file-backed resident memory
+    grows by at most two chunks; torch's own clip_grad_norm_ on the same views makes all 16 MiB of
+    gradients resident (so the measure can tell them apart)."""
+    from torch import nn
+
+    from lightning_par.parallel.disk_offload import FileTier, PagedOptimizer
+
+    torch.manual_seed(0)
+    tier = FileTier(tmp_path, chunk_mb=1.0)
+    params = [nn.Parameter(torch.randn(256, 1024)) for _ in range(16)]  # 1 MiB each
+    tier.params = list(params)
+    tier.home_gradients()
+    opt = PagedOptimizer(torch.optim.SGD(params, lr=0.1), tier)
+    values = [torch.randn(256, 1024) for _ in params]
+    for warm_up in (True, False):  # the first calls also fault in library code, which RssFile counts too
+        for p, v in zip(params, values):
+            p.grad.copy_(v)
+            tier.dirty.add(p)
+        tier.release()
+        if warm_up:
+            opt.clip_grad_norm_(1.0)
+            opt.clip_grad_value_(1e-4)
+    want_norm = torch.linalg.vector_norm(torch.cat([v.double().flatten() for v in values])).float()
+    total, grown = _peak_rss_file_during(lambda: opt.clip_grad_norm_(1.0))
+    torch.testing.assert_close(total, want_norm, rtol=1e-6, atol=0)
+    values = [v * (1.0 / (want_norm + 1e-6)) for v in values]  # torch's coefficient: max_norm / (norm + 1e-6)
+    for p, v in zip(params, values):
+        torch.testing.assert_close(p.grad, v, rtol=1e-6, atol=1e-9)
+    assert grown <= 2 * 2**20 + 2**18, grown / 2**20
+    # by value, the same way
+    clipped = [v.clamp(-1e-4, 1e-4) for v in values]
+    _, grown_value = _peak_rss_file_during(lambda: opt.clip_grad_value_(1e-4))
+    for p, v in zip(params, clipped):
+        torch.testing.assert_close(p.grad, v, rtol=0, atol=0)
+    assert (clipped[0].abs() == 1e-4).float().mean() > 0.5  # the value clip bites
+    assert grown_value <= 2 * 2**20 + 2**18, grown_value / 2**20
+    tier.release()
+    _, grown_torch = _peak_rss_file_during(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0))
+    print(f"  file-backed RSS grew by: paged norm clip {grown / 2**20:.2f} MiB, by value {grown_value / 2**20:.2f} "
+          f"MiB, torch's clip_grad_norm_ {grown_torch / 2**20:.2f} MiB (16 MiB of gradients, 1 MiB chunks)")
+    assert grown_torch >= 15 * 2**20, grown_torch / 2**20
+    opt.close()
+    tier.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_disk_tier_with_accumulation_checkpointing_clipping_and_a_schedule(tmp_path):
     """2 ranks x 2 accumulated micro-batches (FSDP adds the second into the gradient files), activation
-    checkpointing (forward hooks fire again in recomputation), clipping (its norm reads the gradient
-    views) and a warm-up schedule (its LR reaches the chunked step): CPU offload's losses."""
+    checkpointing (forward hooks fire again in recomputation), clipping (the paged optimizer's, chunk by
+    chunk, the two ranks' norms summed) and a warm-up schedule (its LR reaches the chunked step): CPU
+    offload's losses."""
     out = tmp_path / "sweep"
     run_cli(["-m", *QUICK, "trainer.max_steps=8", "strategy=zero3_offload", "trainer.devices=2",
              "trainer.accumulate_grad_batches=2", "strategy.activation_checkpointing=true",

@@ -408,7 +408,8 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     It shares the inner optimizer's ``param_groups``, ``state`` and ``defaults`` (the same objects),
     so LR schedulers, ``state_dict`` and torch's distributed state-dict helpers see the inner
-    optimizer's; only ``step`` and ``zero_grad`` differ.
+    optimizer's; only ``step`` and ``zero_grad`` differ, and it clips gradients chunk by chunk too
+    (``clip_grad_norm_``, ``clip_grad_value_``: the strategy routes Lightning's clipping here).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, tier: FileTier) -> None:
@@ -488,6 +489,59 @@ class PagedOptimizer(torch.optim.Optimizer):
         for post in list(self._optimizer_step_post_hooks.values()):
             post(self, (), {})
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` over the gradient files, a chunk at a time: each chunk's local
+        shards reduced (their p-th powers summed, or their maximum), its pages released; one
+        all-reduce over the mesh dimensions the gradients are sharded on; then each chunk scaled
+        (``clip_grads_with_norm_``) and released. torch's own call reads every gradient page before
+        any goes back, so the whole gradient file would become resident. Local tensors, not DTensor
+        ops: a rank's chunks hold other parameters than another rank's, so per-chunk collectives
+        would pair the wrong partial norms. Gradients without a value this step are zeros and add
+        nothing. Returns the total norm (a plain tensor, the same on every rank)."""
+        tier = self.tier
+        grads = tier.grads()
+        dirty = set(tier.dirty)
+        inf = norm_type == float("inf")
+        acc: dict[tuple, torch.Tensor] = {}  # (mesh, dims it is sharded on) -> sum of |g|^p, or max |g|
+        for chunk in self._chunks:
+            for p in chunk:
+                if p not in dirty:
+                    continue
+                g = grads[p]
+                key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())) \
+                    if isinstance(g, DTensor) else (None, ())
+                local = _local(g).double()
+                part = local.abs().max() if inf and local.numel() else (
+                    torch.zeros((), dtype=torch.float64) if inf else local.abs().pow(norm_type).sum())
+                acc[key] = torch.maximum(acc[key], part) if inf and key in acc else acc.get(key, 0) + part
+            tier.page_out(chunk, {})
+        total = torch.zeros((), dtype=torch.float64)
+        for (mesh, dims), part in sorted(acc.items(), key=lambda kv: kv[0][1]):  # the same order on every rank
+            for d in dims:
+                torch.distributed.all_reduce(part, op=torch.distributed.ReduceOp.MAX if inf else
+                                             torch.distributed.ReduceOp.SUM, group=mesh.get_group(d))
+            total = torch.maximum(total, part) if inf else total + part
+        total = (total if inf else total.pow(1.0 / norm_type)).float()
+        for chunk in self._chunks:
+            holding = [p for p in chunk if p in dirty]  # torch's function scales their .grad: the file views
+            if holding:
+                torch.nn.utils.clip_grads_with_norm_(holding, max_norm, total)
+            tier.page_out(chunk, {})
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """torch's ``clip_grad_value_`` over the gradient files, a chunk at a time (see ``clip_grad_norm_``)."""
+        tier = self.tier
+        grads = tier.grads()
+        dirty = set(tier.dirty)
+        for chunk in self._chunks:
+            holding = [p for p in chunk if p in dirty]  # torch's function reads their .grad: the file views
+            if holding:
+                torch.nn.utils.clip_grad_value_(holding, clip_value)
+            tier.page_out(chunk, {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients that have values (the step zeroes the ones it used); the file views stay."""

@@ -188,6 +188,29 @@ def _skip_lightning_clipping(precision_plugin: Any) -> None:
     precision_plugin.clip_gradients = clip_gradients
 
 
+def _paged_clipping(precision_plugin: Any) -> None:
+    """Route Lightning's gradient clipping (``trainer.gradient_clip_val``) of a ``PagedOptimizer`` to
+    its chunked clipping: torch's functions read every gradient page of the disk tier's files at once."""
+    if getattr(precision_plugin.clip_grad_by_norm, "_lp_paged", False):
+        return
+    by_norm, by_value = precision_plugin.clip_grad_by_norm, precision_plugin.clip_grad_by_value
+
+    def unwrap(optimizer: Any) -> Any:
+        return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
+        inner = unwrap(optimizer)
+        return inner.clip_grad_norm_(clip_val) if isinstance(inner, PagedOptimizer) else by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(optimizer: Any, clip_val: Any) -> None:
+        inner = unwrap(optimizer)
+        return inner.clip_grad_value_(clip_val) if isinstance(inner, PagedOptimizer) else by_value(optimizer, clip_val)
+
+    clip_grad_by_norm._lp_paged = True  # type: ignore[attr-defined]
+    precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+    precision_plugin.clip_grad_by_value = clip_grad_by_value
+
+
 class Zero3Strategy(FSDPStrategy):
     """ZeRO stage 3: FSDP with the model plan's blocks as units, parameters freed after forward,
     one unit of prefetch.
@@ -278,6 +301,7 @@ class Zero3OffloadStrategy(Zero3Strategy):
         tier.home_gradients()
         for i, opt in enumerate(list(self.optimizers)):
             self._replace_optimizer(i, PagedOptimizer(opt, tier))
+        _paged_clipping(self.precision_plugin)
 
     # checkpoints: the template's state must exist (in the files) before DCP loads into it
     def optimizer_state_template(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
