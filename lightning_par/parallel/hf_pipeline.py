@@ -203,6 +203,16 @@ class HFStageRunner:
     def __repr__(self) -> str:
         return f"HFStageRunner(layers {self.start}..{self.end - 1} of {len(self.layers)})"
 
+    def forward_keywords(self) -> set[str]:
+        """What the model's forward takes by keyword beside what the stage passes itself (``"*"``: it takes
+        ``**kwargs``, anything)."""
+        root = self._root()
+        hf = root.get_submodule(self.hf_path) if root is not None and self.hf_path else root
+        params = inspect.signature(hf.forward).parameters if hf is not None else {}
+        names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        names -= {"input_ids", "inputs_embeds", "use_cache", "labels", "past_key_values"}
+        return names | ({"*"} if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set())
+
     def __call__(self, x: torch.Tensor, layer_of: Callable[[str], nn.Module], **forward_kwargs: Any) -> torch.Tensor:
         root = self._root()
         if root is None:

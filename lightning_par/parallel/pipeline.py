@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -154,9 +154,12 @@ class PipelineStageModule(nn.Module):
         """Names of this stage's parameters, identical to their names in the full model."""
         return [name for name, _ in self.named_parameters()]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.runner is not None:
-            return self.runner(x, self.get_submodule)
+    def forward(self, x: torch.Tensor, **forward_kwargs: Any) -> torch.Tensor:
+        if self.runner is not None:  # the batch's fields for the model's own forward (a padding mask, ...)
+            return self.runner(x, self.get_submodule, **forward_kwargs)
+        if forward_kwargs:
+            raise TypeError(f"pipeline stage {self.stage_index}: layers called one after another take no keyword "
+                            f"inputs ({', '.join(forward_kwargs)})")
         for path in self.layers:
             x = self.get_submodule(path)(x)
         return x
@@ -368,12 +371,22 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
+    @property
+    def forward_keywords(self) -> set[str] | None:
+        """The names the stages' model forward takes by keyword (``"*"``: any), None where the stages call
+        their layers one after another (no keyword inputs): what a batch may carry beside input and target."""
+        runners = [m.runner for m in self.modules]
+        if not runners or any(r is None for r in runners):
+            return None
+        return runners[0].forward_keywords()
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for m in self.modules:
             yield from m.parameters()
 
-    def _run(self, fn: Callable, x: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor:
-        for t in (x, target):
+    def _run(self, fn: Callable, x: torch.Tensor | None, target: torch.Tensor | None,
+             forward_kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
+        for t in (x, target, *forward_kwargs.values()):
             if t is not None and t.shape[0] % self.n_microbatches:
                 raise ValueError(f"pipeline batch size {t.shape[0]} is not divisible by "
                                  f"n_microbatches={self.n_microbatches}")
@@ -384,7 +397,9 @@ class Pipeline:
         for m in stats:
             m.clear_stats()
         self.timer.begin_step()
-        fn(*args, target=target if self.has_last else None, losses=losses)
+        # the batch's keyword fields go to every stage (torch's schedules split them into micro-batches and pass
+        # each stage its own), the input to the first and the target to the last
+        fn(*args, target=target if self.has_last else None, losses=losses, **forward_kwargs)
         self.timer.end_step()
         for m in stats:  # each of this rank's stages ran one forward per micro-batch (+ shape inference once)
             m.keep_last_forwards(self.n_microbatches)
@@ -405,15 +420,17 @@ class Pipeline:
         for m in aux_loss_sources(self.modules):
             m.aux_grad_scale = scale
 
-    def step(self, x: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor:
+    def step(self, x: torch.Tensor | None, target: torch.Tensor | None, **forward_kwargs: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one batch (gradients accumulate in the stage modules); returns the
-        mean micro-batch loss (plus the stages' auxiliary losses), the same on every pipeline rank."""
-        return self._run(self.schedule.step, x, target)  # type: ignore[attr-defined]
+        mean micro-batch loss (plus the stages' auxiliary losses), the same on every pipeline rank.
+        ``forward_kwargs``: batch fields every stage's model forward takes by keyword (``forward_keywords``)."""
+        return self._run(self.schedule.step, x, target, forward_kwargs)  # type: ignore[attr-defined]
 
-    def eval_step(self, x: torch.Tensor | None, target: torch.Tensor | None) -> torch.Tensor:
+    def eval_step(self, x: torch.Tensor | None, target: torch.Tensor | None,
+                  **forward_kwargs: torch.Tensor) -> torch.Tensor:
         """Forward only; returns the mean micro-batch loss on every pipeline rank."""
         with torch.no_grad():
-            return self._run(self.schedule.eval, x, target)  # type: ignore[attr-defined]
+            return self._run(self.schedule.eval, x, target, forward_kwargs)  # type: ignore[attr-defined]
 
 
 def _group_of(pp_group: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -37,20 +37,44 @@ from lightning_par.parallel.pipeline import Pipeline
 from lightning_par.parallel.tensor_parallel import loss_parallel_context, reduce_partial_gradients
 
 
-def input_and_target(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(input, target)`` pair the strategy runs itself (a pipeline schedule, loss-parallel TP): it
-    calls the model's forward on the input alone and ``loss_fn(output, target)``, not the module's
-    ``training_step``, so anything else in a batch (a padding mask, a dict of fields) would be dropped
-    without a word. Refused in one line instead."""
+def pipeline_inputs(batch: Any, where: str, forward_kwargs: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    dict[str, torch.Tensor]]:
+    """The input, the target and the fields every stage's forward takes by keyword, of a batch the
+    strategy runs itself (a pipeline schedule, loss-parallel TP): it calls the model's forward on the
+    input and ``loss_fn(output, target)``, not the module's ``training_step``. A batch is an ``(input,
+    target)`` pair of tensors; where the stages run a Hugging Face model's own forward
+    (``forward_kwargs``), also a dict of ``input_ids``, ``labels`` and fields of the same batch size
+    that forward takes by keyword (``attention_mask``, ``token_type_ids``, ``position_ids``, ...),
+    which every stage receives for its micro-batch. Anything else would be dropped without a word:
+    refused in one line."""
     if (isinstance(batch, (tuple, list)) and len(batch) == 2
             and all(isinstance(t, torch.Tensor) for t in batch)):
-        return batch[0], batch[1]
+        return batch[0], batch[1], {}
+    if forward_kwargs and isinstance(batch, dict) and {"input_ids", "labels"} <= set(batch):
+        x, y = batch["input_ids"], batch["labels"]
+        extras = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+        bad = sorted(k for k, v in extras.items() if not isinstance(v, torch.Tensor) or v.shape[:1] != x.shape[:1])
+        if bad or not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise ValueError(f"{where}: every field of a dict batch must be a tensor of the batch's size "
+                             f"({x.shape[0] if isinstance(x, torch.Tensor) else '?'} rows); "
+                             f"{', '.join(bad) or 'input_ids/labels'} {'is' if len(bad) < 2 else 'are'} not")
+        return x, y, extras
     shape = (f"a dict with keys {sorted(batch)}" if isinstance(batch, dict) else
              f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else
              f"a {type(batch).__name__}")
+    dict_form = (", or a dict of input_ids, labels and fields the model's forward takes by keyword (attention_mask, "
+                 "...)") if forward_kwargs else ""
+    where_else = ("" if forward_kwargs else "masks and other fields reach a pipeline stage only for a Hugging Face "
+                  "model; ")
     raise ValueError(f"{where} runs the model's forward on the input and loss_fn(output, target) itself, so a "
-                     f"batch must be an (input, target) pair of tensors; got {shape} (masks and other fields "
-                     "cannot reach a pipeline stage; use a data-parallel or sharded strategy for such a model)")
+                     f"batch must be an (input, target) pair of tensors{dict_form}; got {shape} ({where_else}use a "
+                     "data-parallel or sharded strategy for such a batch)")
+
+
+def input_and_target(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pipeline_inputs`` for a strategy that passes nothing by keyword: an ``(input, target)`` pair."""
+    x, y, _ = pipeline_inputs(batch, where)
+    return x, y
 
 
 class PipelineLoopMixin:
@@ -75,26 +99,36 @@ class PipelineLoopMixin:
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            x, y = input_and_target(args[0], "the pipeline")
+            x, y, extras = self._pipeline_inputs(args[0])
             with self.precision_plugin.val_step_context():
-                loss = self._pipeline.eval_step(x, y) / self._loss_scale
+                loss = self._pipeline.eval_step(x, y, **extras) / self._loss_scale
             self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
             return loss
         if self.loss_parallel:
             return self._loss_parallel_step(args[0], "val/loss")
         return super().validation_step(*args, **kwargs)
 
+    def _pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        pipe = self._pipeline
+        assert pipe is not None
+        x, y, extras = pipeline_inputs(batch, "the pipeline", forward_kwargs=pipe.forward_keywords is not None)
+        unknown = sorted(set(extras) - (pipe.forward_keywords or set()))
+        if unknown and "*" not in (pipe.forward_keywords or set()):
+            raise ValueError(f"the pipeline: the model's forward takes no {', '.join(unknown)} (batch fields a stage "
+                             "passes to it by keyword)")
+        return x, y, extras
+
     def _pipeline_training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         pipe, module = self._pipeline, self.lightning_module
         assert pipe is not None and module is not None
-        x, y = input_and_target(batch, "the pipeline")
+        x, y, extras = self._pipeline_inputs(batch)
         params = [p for p in module.parameters() if p.requires_grad]
         first = batch_idx % max(1, self.lightning_module.trainer.accumulate_grad_batches) == 0
         if first:  # last step's gradients: Lightning zeroes them right after this hook anyway
             for p in params:
                 p.grad = None
         with self.precision_plugin.train_step_context():
-            loss = pipe.step(x, y) / self._loss_scale  # forward + backward of every micro-batch
+            loss = pipe.step(x, y, **extras) / self._loss_scale  # forward + backward of every micro-batch
         if first:  # set aside from Lightning's zero_grad; backward() hands them back
             self._pending_grads = [(p, p.grad) for p in params]
             for p in params:
