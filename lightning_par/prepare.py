@@ -323,6 +323,26 @@ def worker_context() -> Any:
     return ctx
 
 
+#: process pools whose workers ``_results`` killed
+_ABANDONED: list[Any] = []
+
+
+def _exit_now_if_abandoned(code: int) -> int:
+    """``code``; or, when a pool's workers were killed, end the process with it now. A worker killed while
+    writing a result leaves half a message in the pool's pipe; the executor's manager thread then waits
+    in ``recv`` for the rest, forever, and the interpreter joins that thread at exit (seen under load
+    after Ctrl-C: the command never returned). multiprocessing's exit finalizers run first (they remove
+    the pool's semaphores, which the resource tracker would otherwise report as leaked)."""
+    if not _ABANDONED:
+        return code
+    import multiprocessing.util
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    multiprocessing.util._run_finalizers(0)  # the positive-priority ones multiprocessing's own exit runs
+    os._exit(code)
+
+
 def _results(tasks: list[Task], workers: int, initargs: tuple, context: Any = None):
     """(ids, documents, text bytes, task) per task, in task order."""
     if workers <= 1:  # in this process (no start-up cost), one tokenizer thread as in a worker
@@ -358,6 +378,7 @@ def _results(tasks: list[Task], workers: int, initargs: tuple, context: Any = No
         for proc in list((getattr(pool, "_processes", None) or {}).values()):
             proc.kill()
         pool.shutdown(wait=False, cancel_futures=True)
+        _ABANDONED.append(pool)  # its manager thread may never end: ``main`` does not wait for it
         raise
     pool.shutdown(wait=True)
 
@@ -383,13 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                        chunk_mb=a.chunk_mb, overwrite=a.overwrite, progress=progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _exit_now_if_abandoned(2)
     except KeyboardInterrupt:  # Ctrl-C: the workers ignore it, this process stops them and cleans up
         print(f"\nerror: interrupted, nothing written to {a.out}", file=sys.stderr)
-        return 130
+        return _exit_now_if_abandoned(130)
     except Exception as e:  # noqa: BLE001 -- a dead worker, a full disk: nothing was left behind
         print(f"error: prepare failed, nothing written to {a.out}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return _exit_now_if_abandoned(1)
     mb = meta["text_bytes"] / 1e6
     print(f"wrote {a.out}: {meta['n_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, eos "
           f"{meta['eos_id']}) from {meta['n_documents']:,} documents; {mb:.1f} MB of text in "
