@@ -33,10 +33,11 @@ def _reads_shared_sweeps(path: str) -> bool:
         return "tests.sweeps" in f.read()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(wrapper=True)  # before every plain implementation, xdist's (which reads the group marks) too:
+def pytest_collection_modifyitems(config, items):  # a tryfirst one ran after it under pytest 9.2
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:  # a module that names its group itself
             continue
         group = "shared_sweeps" if _reads_shared_sweeps(str(item.path)) else item.path.stem
         item.add_marker(pytest.mark.xdist_group(group))
+    return (yield)
