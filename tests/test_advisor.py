@@ -204,7 +204,7 @@ def test_printed_command_runs_scaled_down(case, devices, answers, tmp_path: Path
     parallelism and bf16 gathers; FSDP with 8-bit states -- and every held-out case run 2 steps on CPU.
     (All five of issue 11 ran when this was written: 125M 30 s, 7B 41 s, 10B 42 s; trimmed for CI.)"""
     (command,) = [ln.strip() for ln in answers[case].splitlines() if ln.strip().startswith("python run.py ")]
-    args = scaled(command, devices) + [f"paths.output_dir={tmp_path}"]
+    args = scaled(command, devices) + [f"paths.output_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]  # not outputs/<second>: two at once collide
     done = subprocess.run([sys.executable, "run.py", *args], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, f"{args}\n{done.stderr[-3000:]}"
