@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
+
+from lightning_par.costs.states import BLOCK_8BIT, MIN_8BIT
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")  # _MemRefType
 
@@ -71,8 +76,6 @@ class TracedStep:
 
 
 def _precision_context(precision: str, device_type: str) -> Any:
-    import torch
-
     from lightning_par import dtypes
 
     pr = dtypes.precision(dtypes.canonical_precision(precision))
@@ -106,6 +109,76 @@ def _hf_masks_as_for_real_tensors() -> Any:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+class AdamW8bitBytes(torch.optim.Optimizer):
+    """What torchao's ``AdamW8bit`` allocates, without its arithmetic: the trace's stand-in for it.
+
+    The real step cannot run on fake tensors: torchao compiles its per-parameter update
+    (``torch.compile(fullgraph=True)``) and calls the Inductor kernel, native code, with the tensors'
+    data pointers, which fake tensors do not have: the step segfaults (issue 34; measured with torch
+    2.13 and torchao 0.18 with the fake mode suspended, as ``optim.py``'s step suspended it, and
+    under it once torchao's quantisation map is cached). On real tensors that step runs with every dispatch mode suspended, so MemTracker
+    would not see its temporaries either.
+    This stand-in allocates the same tensors as torchao 0.18 (``adam.py`` ``_new_buffer``,
+    ``subclass_8bit.py`` ``OptimState8bit.zeros``) -- an fp32 scalar ``step``; per state of a
+    parameter of >= 4096 elements that divides by the block, uint8 codes of the parameter's shape,
+    one fp32 scale per block of 256 and a 256-entry fp32 map; smaller parameters' states in the
+    parameter's dtype -- so the states the trace holds are torchao's to the byte (measured: 292,436
+    bytes for the default ``hf_causal_lm``, what a training run of it reports). Its temporaries are
+    the Inductor CPU kernel's (torch 2.13, measured from the generated code): per quantised
+    parameter, one fp32 tensor of the parameter's size and one fp32 value per block for each state
+    (the updated m and v and their blocks' absolute maxima before re-quantisation; amsgrad's third
+    state assumed alike, not measured), freed before the next parameter; none for the others
+    (updated in place). Parameters are left as they are: the trace measures memory, not values."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__([{"params": g["params"], "amsgrad": bool(g.get("amsgrad", False))}
+                          for g in optimizer.param_groups], {})
+        self.block_size = int(getattr(optimizer, "block_size", BLOCK_8BIT))
+
+    def _quantised(self, p: torch.Tensor) -> bool:
+        return p.numel() >= MIN_8BIT and p.numel() % self.block_size == 0
+
+    def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self._quantised(p):
+            return {"": torch.zeros_like(p)}
+        return {"_codes": torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
+                "_scale": torch.zeros(p.numel() // self.block_size, device=p.device),
+                "_qmap": torch.zeros(256, dtype=torch.float32, device=p.device)}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # noqa: D102
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    for name in names:
+                        state.update({name + key: t for key, t in self._state(p).items()})
+                state["step"] += 1
+                if self._quantised(p):
+                    temporaries = [torch.empty(p.numel(), dtype=torch.float32, device=p.device) for _ in names]
+                    temporaries += [torch.empty(p.numel() // self.block_size, device=p.device) for _ in names]
+                    del temporaries
+        return loss
+
+
+def measurable_optimizer(optimizer: Any) -> Any:
+    """``optimizer``, or the stand-in the trace runs instead where the real one cannot be traced
+    (torchao's ``AdamW8bit``, ``lightning_par.optim``'s included: ``AdamW8bitBytes``)."""
+    if "torchao.optim" not in sys.modules:  # torchao's optimizers import it: none of them can be this one
+        return optimizer
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bitBytes(optimizer) if isinstance(optimizer, AdamW8bit) else optimizer
 
 
 def trace_model(make: Any, micro_batch: int, *, precision: str = "32-true", target: Any = None) -> TracedStep:
@@ -148,7 +221,6 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
     the loss's target (default: the input itself, next-token style, for token models; zeros of the
     output's batch for others is the module's business). ``fake=False``: on real CPU tensors (the
     reference, and ``trace_model``'s fallback). Raises ValueError when the module lacks the contract."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -171,8 +243,8 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
         x = example(micro_batch, "cpu")
         y = target(x) if target is not None else x
         optimizers = module.configure_optimizers()
-    opt = optimizers["optimizer"] if isinstance(optimizers, dict) else (
-        optimizers[0] if isinstance(optimizers, (list, tuple)) else optimizers)
+    opt = measurable_optimizer(optimizers["optimizer"] if isinstance(optimizers, dict) else (
+        optimizers[0] if isinstance(optimizers, (list, tuple)) else optimizers))
     params = list(module.parameters())
     # the strategies' own block discovery (a declared plan, Hugging Face's no-split modules, repeated
     # children, sizes): the blocks the trace prices as FSDP units are the ones FSDP will make
