@@ -30,9 +30,12 @@ for each of them the variants a practitioner would try:
   fp32 states; CPU offload (``zero3_offload``); and when nothing else fits, memory-centric tiling
   (``strategy.tiling``) of every block linear, the head and the embedding.
 
-Models: our GPT and MoE presets (or a parameter count with its layers and width, built as a GPT), and
-the Hugging Face decoders of ``conf/model`` (``hf_llama_1b``, ``hf_qwen2_0p5b``, ...: grouped-query
-attention, gated MLPs, RMSNorm, tied embeddings, priced from the transformers model itself). A plan is
+Models: our GPT and MoE presets (or a parameter count with its layers and width, built as a GPT, or
+as a Llama / Qwen2 with the sizes given), the Hugging Face decoders of ``conf/model`` (``hf_llama_1b``,
+``hf_qwen2_0p5b``, ...), and any transformers config of those families (a ``config.json``, a
+``save_pretrained`` directory): grouped-query attention, gated MLPs, RMSNorm, tied embeddings, biases,
+priced from the transformers model itself, built on the meta device, so the count is transformers'
+own. Every answer says what it priced (``describe``) and how close its peak is to the limit. A plan is
 offered for a Hugging Face model only where its strategies can run it (``_hf_refusal``: tensor
 parallelism by the model's own tp_plan and the sizes it must divide, no sequence parallelism unless
 the plan names its norms, a pipeline only by a pipeline plan), and its tiling paths are the model's.
@@ -46,7 +49,10 @@ not offered for it.
 
 from __future__ import annotations
 
+import re
+import shlex
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from lightning_par.costs import comm as comm_model
 from lightning_par.costs.activations import Shape, block_linears, dtypes, hf_model, hf_plan, module_paths
@@ -57,6 +63,12 @@ from lightning_par.strategies.catalog import CATALOG, Fleet, Layout, Option, Str
 TILES = (2, 4, 8, 16, 32, 64)
 MICRO_STEPS = (1, 2, 4, 8, 16)  # micro-batch sizes tried: the given one times these
 TIE = 0.02  # step times within 2% of the fastest are a tie, broken by the catalogue's preference
+NEAR = 0.05  # a plan whose peak is within 5% of the usable memory is said to be close to the limit
+#: the console script the printed command starts with (pyproject.toml [project.scripts])
+PROGRAM = "lightning-par"
+#: what an option of the printed command needs installed: (word prefix, extra, what for)
+EXTRAS = (("model=hf_", "hf", "transformers, for the Hugging Face model"),
+          ("model.optimizer=adamw8bit", "optim8bit", "torchao, for model.optimizer=adamw8bit (AdamW8bit)"))
 
 
 #: where the advisor's disk-tier command puts the files (a node-local NVMe mount: edit to yours)
@@ -134,13 +146,65 @@ class Advice:
     model_overrides: list[str] = field(default_factory=list)
     precision: str = "bf16-mixed"
     chosen: Candidate | None = None
+    shape: Shape | None = None  # the model priced
+    cluster: Cluster | None = None
+    budget: float = 0.0  # usable bytes per device (headroom x device memory)
+    host_budget: float | None = None  # usable host bytes per node, where stated
+
+    def headline(self) -> str:
+        """``Recommended: <the chosen row's label>`` (e.g. ``single 8-bit``), or that nothing fits."""
+        return f"Recommended: {self.chosen.label if self.chosen is not None else 'nothing fits'}"
 
     def command(self) -> str:
-        """The complete command: strategy, model, data and trainer overrides."""
+        """The complete command: strategy, model, data and trainer overrides, each word quoted for a
+        POSIX shell where it must be (a tiling plan's braces and commas, a path's spaces)."""
         if self.strategy is None:
             return ""
-        return " ".join(["python run.py", f"strategy={self.strategy}", *self.model_overrides,
-                         f"trainer.precision={self.precision}", *self.overrides])
+        words = [f"strategy={self.strategy}", *self.model_overrides, f"trainer.precision={self.precision}",
+                 *self.overrides]
+        return " ".join([PROGRAM, *(shlex.quote(w) for w in words)])
+
+    def extras(self) -> list[tuple[str, str]]:
+        """(extra, what for) of every ``lightning_par[extra]`` an option of the command needs."""
+        words = [*self.model_overrides, *self.overrides] if self.strategy else []
+        return [(extra, why) for prefix, extra, why in EXTRAS if any(w.startswith(prefix) for w in words)]
+
+    def install(self) -> str:
+        """The ``pip install`` line of ``extras`` ("" where the command needs none)."""
+        extras = self.extras()
+        if not extras:
+            return ""
+        return (f"pip install 'lightning_par[{','.join(e for e, _ in extras)}]'  ("
+                + "; ".join(why for _, why in extras) + ")")
+
+    def memory_line(self) -> str:
+        """The chosen plan's peak against the usable memory, and the margin; within ``NEAR`` of the
+        limit it says so. Host memory too where the plan offloads."""
+        c, gib = self.chosen, (lambda b: b / GIB)  # noqa: E731
+        if c is None:
+            return ""
+        margin = self.budget - c.memory.peak
+        device = (f" ({self.budget / (self.cluster.device_memory_gb * GIB):.0%} of {self.cluster.device_memory_gb:g} "
+                  "GiB)") if self.cluster else ""
+        line = (f"Memory: peak {gib(c.memory.peak):.2f} GiB per device of {gib(self.budget):.2f} GiB usable{device}, "
+                f"margin {gib(margin):.2f} GiB ({margin / self.budget:.1%} of the limit)")
+        if margin < NEAR * self.budget:
+            line += (f"; WITHIN {NEAR:.0%} OF THE LIMIT: the allocator's fragmentation, a longer sequence or a "
+                     "larger micro-batch can tip it over")
+        if c.host_bytes:
+            if self.host_budget:
+                host_margin = self.host_budget - c.host_bytes
+                line += (f"; host {gib(c.host_bytes):.1f} GiB per node of {gib(self.host_budget):.1f} GiB usable, "
+                         f"margin {gib(host_margin):.1f} GiB ({host_margin / self.host_budget:.1%})")
+                if host_margin < NEAR * self.host_budget:
+                    line += f", within {NEAR:.0%} of the host's limit"
+            else:
+                line += f"; host {gib(c.host_bytes):.1f} GiB per node (host memory not stated: --host-memory)"
+        if c.disk_bytes and self.cluster is not None and self.cluster.nvme_gb:
+            disk_budget = self.cluster.nvme_gb * GIB * NVME_HEADROOM
+            line += (f"; disk {gib(c.disk_bytes):.1f} GiB per node of {gib(disk_budget):.1f} GiB usable, margin "
+                     f"{gib(disk_budget - c.disk_bytes):.1f} GiB")
+        return line
 
     def table(self, budget: float, per_strategy: int = 3) -> str:
         """The chosen plan, the others that fit, fastest first, then those that do not; at most
@@ -166,9 +230,39 @@ class Advice:
 _HF_DEFAULT_ACT = {"gpt2": "gelu_new", "llama": "silu", "qwen2": "silu"}
 
 
-def model_overrides(shape: Shape, preset: str | None, global_batch: int) -> list[str]:
-    """Overrides that build exactly ``shape`` and feed it ``global_batch`` sequences per step."""
-    if preset:
+def hydra_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar: bool, null, numbers, quoted strings, lists, dicts."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        if re.fullmatch(r"[A-Za-z_/][\w/.+-]*", value) and value.lower() not in ("true", "false", "null", "inf",
+                                                                                 "nan"):
+            return value
+        # Hydra's quoted strings unescape a backslash only before a quote (and the closing quote)
+        quoted = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+        return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted) + "'"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        for k in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)):
+                raise ValueError(f"a config field's key {k!r} cannot be written as a Hydra override")
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    raise ValueError(f"a config value of type {type(value).__name__} cannot be written as a Hydra override")
+
+
+def model_overrides(shape: Shape, preset: str | None, global_batch: int, pretrained: str | None = None) -> list[str]:
+    """Overrides that build exactly ``shape`` and feed it ``global_batch`` sequences per step:
+    ``model=<preset>``, a ``save_pretrained`` directory (``model.pretrained``: its config and weights),
+    or the model's sizes and further config fields (``hf_causal_lm``'s ``+model.config.<field>``; our
+    GPT's fields)."""
+    if pretrained:
+        out = ["model=hf_causal_lm", f"model.pretrained={hydra_value(pretrained)}"]
+    elif preset:
         out = [f"model={preset}"]
     elif shape.hf:  # conf/model/hf_causal_lm.yaml's fields (models/hf.py)
         out = ["model=hf_causal_lm", f"model.arch={shape.hf_arch}", f"model.hidden={shape.n_embd}",
@@ -179,12 +273,49 @@ def model_overrides(shape: Shape, preset: str | None, global_batch: int) -> list
         if shape.hidden_act != _HF_DEFAULT_ACT.get(shape.hf_arch):
             key = "activation_function" if shape.hf_arch == "gpt2" else "hidden_act"
             out.append(f"+model.config.{key}={shape.hidden_act}")
+        out += [f"+model.config.{k}={hydra_value(v)}" for k, v in shape.hf_fields.items()]
     else:
         out = ["model=gpt_small", "model.preset=null", f"+model.n_layer={shape.n_layer}",
                f"+model.n_embd={shape.n_embd}", f"+model.n_head={shape.n_head}",
                f"+model.vocab_size={shape.vocab_size}", f"+model.block_size={shape.block_size or shape.seq_len}",
                f"+model.mlp_ratio={shape.mlp_ratio}", f"+model.bias={str(shape.bias).lower()}"]
     return out + [f"data.seq_len={shape.seq_len}", f"data.global_batch_size={global_batch}"]
+
+
+def describe(shape: Shape) -> list[str]:
+    """What was priced, in two lines: the parameter count (``Shape.units``: counted from the model
+    itself on the meta device) by part, and the architecture's sizes and sequence length."""
+    u = shape.units()
+    layers = (f"{shape.n_layer} layers x {u['block']:,}" if not shape.n_moe_layers else
+              f"{shape.n_moe_layers} MoE layers x {u['moe_block']:,} + {shape.n_layer - shape.n_moe_layers} dense x "
+              f"{u['block']:,}")
+    tied = u.get("tied", 0)
+    count = (f"{u['total']:,} parameters (embedding {u['embed']:,} + {layers} + head {u['head']:,}"
+             + (f", {tied:,} of them the table shared with the embedding" if tied else "") + ")")
+    if shape.n_moe_layers:
+        count += f"; {shape.n_moe_layers * u['moe_experts']:,} in routed experts"
+    attention = (f"{shape.n_head} attention heads, {shape.n_kv_heads} key/value heads (grouped-query)"
+                 if shape.n_kv_heads != shape.n_head else f"{shape.n_head} attention heads (full multi-head)")
+    if shape.hf:
+        from lightning_par.costs.activations import hf_model
+
+        what = f"{shape.hf_arch} ({type(hf_model(shape)).__name__})"
+        mlp = f"{'gated ' if shape.gated_mlp else ''}MLP {shape.inner} ({shape.hidden_act})"
+        norms = "RMSNorm" if shape.rms_norm else "LayerNorm"
+    else:
+        what = "GPT (models/moe.py)" if shape.n_experts else "GPT (models/gpt.py)"
+        mlp = f"MLP {shape.inner} ({shape.mlp_ratio} x hidden, gelu)"
+        norms = "LayerNorm" + (" with biases" if shape.bias else ", no biases")
+    parts = [f"{shape.n_layer} layers", f"hidden {shape.n_embd}", attention, mlp]
+    if shape.n_experts:
+        parts.append(f"{shape.n_experts} experts of MLP {shape.moe_hidden}, top-{shape.top_k}, every "
+                     f"{'' if shape.moe_every == 1 else f'{shape.moe_every}th '}layer"
+                     + (" + a shared expert" if shape.shared_expert else ""))
+    parts += [f"vocabulary {shape.vocab_size}", f"{'tied' if shape.tied else 'untied'} head", norms,
+              f"learned positions ({shape.block_size or shape.seq_len})" if shape.learned_positions
+              else f"rotary positions (up to {shape.block_size or shape.seq_len})"]
+    parts += [f"{k}={v}" for k, v in shape.hf_fields.items()]
+    return [count, f"{what}: {', '.join(parts)}; {shape.seq_len}-token sequences"]
 
 
 def _axis_bandwidth(mesh: dict[str, int], cluster: Cluster) -> dict[str, float]:
@@ -336,9 +467,11 @@ def _best(cands: list[Candidate]) -> Candidate:
 
 def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", optimizer: str = "adamw",
            micro_batch_size: int = 1, checkpointing: bool = True, headroom: float = 0.9,
-           preset: str | None = None, global_batch: int | None = None) -> Advice:
+           preset: str | None = None, global_batch: int | None = None, pretrained: str | None = None) -> Advice:
     """The fastest plan that fits. ``global_batch``: sequences per optimizer step (None: one
-    ``micro_batch_size`` per device, what data parallelism alone would train)."""
+    ``micro_batch_size`` per device, what data parallelism alone would train). ``preset`` /
+    ``pretrained``: how the command names the model (``model=<preset>``; ``model.pretrained=<dir>``,
+    the directory ``shape`` was read from), else by its sizes."""
     budget = cluster.device_memory_gb * GIB * headroom
     host_budget = cluster.host_memory_gb * GIB * headroom if cluster.host_memory_gb is not None else None
     g = global_batch or micro_batch_size * cluster.devices
@@ -384,11 +517,13 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
         reasons.append("no candidate's predicted peak fits: add devices, lower the micro-batch or the sequence"
                        + (f" (offload fits the devices but needs {gib(min(c.host_bytes for c in host))} of host "
                           f"memory per node, more than the {cluster.host_memory_gb:g} GiB stated)" if host else ""))
-        return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, g), precision)
+        return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, g, pretrained), precision,
+                      shape=shape, cluster=cluster, budget=budget, host_budget=host_budget)
     best = _best(fitting)
     reasons += _why(best, fitting, cluster)
     return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,
-                  model_overrides(shape, preset, best.global_batch), precision, best)
+                  model_overrides(shape, preset, best.global_batch, pretrained), precision, best, shape, cluster,
+                  budget, host_budget)
 
 
 def _priced_plans(fleet: Fleet, ask: _Ask, micro: int, eight_bit: bool = False) -> list[Candidate]:

@@ -1,7 +1,9 @@
 """The advisor: plans whose predicted peak fits, the communication column, and printed commands that
 run. The five cases of issue 11 are asked of ``python -m lightning_par.modes.advise`` itself; each printed
 command is then run on CPU scaled down by substituting sizes in it (devices, model dimensions,
-sequence, batch, tile counts; ``trainer.max_steps`` added) -- every other word is the printed one."""
+sequence, batch, tile counts; ``trainer.max_steps`` added) -- every other word is the printed one.
+Issue 34: Llama-3-8B asked from a config.json, a save_pretrained directory and from flags is priced at
+transformers' own parameter count (shown), and the command printed trains that model."""
 
 from __future__ import annotations
 
@@ -22,6 +24,20 @@ from lightning_par.costs.activations import Shape
 from lightning_par.estimate import GIB, model_shape
 
 pytestmark = pytest.mark.timeout(600)
+
+BIN = Path(sys.executable).parent  # this environment's console scripts (lightning-par, lightning-par-advise)
+
+#: Llama-3-8B's config.json (meta-llama/Meta-Llama-3-8B), written here: nothing is downloaded
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+                 hidden_act="silu", architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+LLAMA3_8B_PARAMS = 8_030_261_248  # transformers' LlamaForCausalLM of it (checked against the meta build below)
+#: the same model from flags: the sizes a config gives, as the advisor's options
+LLAMA3_8B_FLAGS = ["--params", "8.03e9", "--layers", "32", "--hidden", "4096", "--vocab", "128256", "--kv-heads", "8",
+                   "--intermediate", "14336"]
+LLAMA3_CLUSTERS = {"1x80": ["--devices-per-node", "1"], "1x24": ["--devices-per-node", "1", "--device-memory", "24"],
+                   "8x80": []}
 
 CASES = {
     "125m-one-24gb": (["--model", "gpt2", "--devices-per-node", "1", "--device-memory", "24"], "single"),
@@ -57,6 +73,11 @@ CASES = {
     # issue 22's: 2 layers of 5B parameters each on one 8 GB device: offload, tiling and bf16 gathers
     "5b-layers-one-8gb": (["--params", "11.4e9", "--layers", "2", "--hidden", "20480", "--vocab", "32000",
                            "--devices-per-node", "1", "--device-memory", "8"], "zero3_offload"),
+    # issue 34: Llama-3-8B from its config.json ("{config}": written by the fixture; 8192-token sequences, the
+    # config's) and from flags (2048): at 8.03B parameters 8-bit states no longer fit one 80 GB device (75.0
+    # GiB of 72 usable), where the GPT the flags used to build (7.50B) fitted at 70.08 GiB
+    **{f"llama3-8b-config-{c}": (["--config", "{config}", *args], None) for c, args in LLAMA3_CLUSTERS.items()},
+    **{f"llama3-8b-flags-{c}": ([*LLAMA3_8B_FLAGS, *args], None) for c, args in LLAMA3_CLUSTERS.items()},
 }
 
 
@@ -69,8 +90,25 @@ def advisor(args: list[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def answers() -> dict[str, str]:
-    return {name: advisor(args) for name, (args, _) in CASES.items()}
+def llama3_dir(tmp_path_factory) -> Path:
+    """A save_pretrained directory of Llama-3-8B holding its config.json only (no weights)."""
+    from transformers import LlamaConfig
+
+    out = tmp_path_factory.mktemp("llama3-8b")
+    LlamaConfig(**LLAMA3_8B).to_json_file(out / "config.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def answers(llama3_dir) -> dict[str, str]:
+    config = str(llama3_dir / "config.json")
+    return {name: advisor([a.replace("{config}", config) for a in args]) for name, (args, _) in CASES.items()}
+
+
+def command_of(out: str) -> str:
+    """The one command an answer prints (``Run it with:``)."""
+    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("lightning-par ")]
+    return command
 
 
 COLUMNS = ("mb x n", "peak", "host", "fits", "comm GB", "comm s", "step s", "MFU")
@@ -89,20 +127,22 @@ def _table(out: str) -> dict[str, dict[str, str]]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_answer_fits_and_shows_communication(case, answers):
     out = answers[case]
-    strategy = out.splitlines()[0].removeprefix("Recommended: ")
+    label = out.splitlines()[0].removeprefix("Recommended: ")
+    strategy = label.split()[0]
     expected = CASES[case][1]
     if expected:
         assert strategy == expected, out
     assert "comm GB/step" in out and "comm s/step" in out and "step s" in out and "MFU" in out
-    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
-    assert command.startswith(f"python run.py strategy={strategy} ")
+    command = command_of(out)
+    assert command.startswith(f"lightning-par strategy={strategy} ")
     budget = float(re.search(r"peak <= ([\d.]+) GiB usable", out).group(1))
     rows = _table(out)
     fitting = {label: r for label, r in rows.items() if r["fits"] == "yes"}
     assert all(float(r["peak"]) <= budget for r in fitting.values()), out
     # the recommended plan is the first row, the fastest that fits (ties within 2%), named in the reasons
+    # and, exactly, in the headline
     first_label, first = next(iter(rows.items()))
-    assert first_label.split()[0] == strategy and first["fits"] == "yes", out
+    assert first_label == label and first["fits"] == "yes", out
     assert f"{first_label} predicts the shortest step" in out
     assert float(first["step s"]) <= min(float(r["step s"]) for r in fitting.values()) * 1.02 + 1e-3, out
 
@@ -112,7 +152,8 @@ def test_never_recommends_a_plan_that_does_not_fit():
     done = subprocess.run([sys.executable, "-m", "lightning_par.modes.advise", "--model", "gpt_7b", "--devices-per-node",
                            "1", "--device-memory", "8", "--micro-batch-size", "16", "--no-checkpointing"],
                           capture_output=True, text=True, timeout=120)  # the real CLI: its exit code
-    assert done.returncode == 2 and "nothing fits" in done.stdout and "python run.py" not in done.stdout
+    assert done.returncode == 2 and "nothing fits" in done.stdout and "lightning-par " not in done.stdout
+    assert "Run it with" not in done.stdout and "Memory: peak" not in done.stdout
 
 
 def test_zero2_fits_10b_but_fsdp_is_faster():
@@ -139,21 +180,30 @@ def test_slow_links_change_the_answer():
 def test_preset_command_names_the_model():
     _, shape = model_shape("gpt2")
     a = advise(shape, Cluster(1, 1, 24), preset="gpt2")
-    assert a.command().startswith("python run.py strategy=single model=gpt2 data.seq_len=1024")
+    assert a.command().startswith("lightning-par strategy=single model=gpt2 data.seq_len=1024")
 
 
 SCALE = {"+model.n_layer": "4", "+model.n_embd": "64", "+model.n_head": "2", "+model.vocab_size": "256",
          "+model.block_size": "32", "data.seq_len": "32", "trainer.num_nodes": "1", "trainer.precision": "32-true"}
+#: a Hugging Face model shrunk through hf_causal_lm's fields (tp=2 divides its 2 key/value heads)
+HF_SCALE = {"model.hidden": "64", "model.layers": "4", "model.heads": "4", "model.kv_heads": "2",
+            "model.intermediate": "128", "model.vocab": "256", "model.max_positions": "32"}
 
 
 def scaled(command: str, devices: int) -> list[str]:
-    """The printed command with sizes substituted (and preset models shrunk via their fields)."""
-    words = shlex.split(command)[2:]
+    """The printed command's overrides (after ``lightning-par``) with sizes substituted: our GPT's
+    (``SCALE``; a preset shrunk through its fields), a Hugging Face model's (``HF_SCALE``: hf_causal_lm's
+    fields, a preset's too; its further ``+model.config.*`` fields kept), a ``model.pretrained``
+    directory's model as it is."""
+    program, *words = shlex.split(command)
+    assert program == "lightning-par", command
+    hf = any(w.startswith("model=hf_") for w in words)
+    sizes = HF_SCALE if hf else SCALE
     out = []
     for w in words:
         key, _, value = w.partition("=")
-        if key in SCALE:
-            value = SCALE[key]
+        if key in SCALE or key in sizes:
+            value = {**SCALE, **sizes}[key]
         elif key == "trainer.devices":
             value = str(devices)
         elif key in ("strategy.tp", "strategy.pp", "strategy.ep"):
@@ -167,8 +217,9 @@ def scaled(command: str, devices: int) -> list[str]:
         elif key == "+strategy.tiling":
             value = re.sub(r":\d+", ":2", value)
         out.append(f"{key}={value}" if _ else w)
-    if not any(w.startswith("+model.n_layer") for w in out):  # a preset: shrink it through its fields
-        out += [f"{k}={v}" for k, v in SCALE.items() if k.startswith("+model.")]
+    if not any(w.startswith(("model.pretrained=", "+model.n_layer", "model.hidden")) for w in out):
+        # a preset: shrink it through its fields
+        out += [f"{k}={v}" for k, v in sizes.items() if k.startswith(("+model.", "model."))]
     return out + ["trainer.max_steps=2", "trainer.limit_val_batches=0", "callbacks=none"]
 
 
@@ -178,7 +229,9 @@ def scaled(command: str, devices: int) -> list[str]:
                                           ("moe-small-8x24", 2), ("moe-8x-top2-one-node", 4),
                                           ("70b-8-nodes-50gbs", 4), ("405b-16-nodes", 8),
                                           ("13b-2x24-host-stated", 2), ("5b-layers-one-8gb", 1),
-                                          ("13b-8x24-8bit", 2)])
+                                          ("13b-8x24-8bit", 2),
+                                          *((f"llama3-8b-{src}-{c}", 2 if c == "8x80" else 1)
+                                            for src in ("config", "flags") for c in LLAMA3_CLUSTERS)])
 def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answers, tmp_path: Path):
     """Every printed command, scaled down, builds and passes ``train.validate`` (names, mesh, batch split)
     in this process -- what a run checks before any process starts. Two of them also run (below)."""
@@ -186,28 +239,46 @@ def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answe
 
     from lightning_par.train import build, validate
 
-    (command,) = [ln.strip() for ln in answers[case].splitlines() if ln.strip().startswith("python run.py ")]
+    command = command_of(answers[case])
     with initialize_config_module("lightning_par.conf", version_base="1.3"):
         cfg = compose("config", overrides=scaled(command, devices) + [f"paths.output_dir={tmp_path}"])
     parts = build(cfg)
     assert validate(cfg, parts["strategy"], parts["model"], parts["datamodule"]) == devices
 
 
+#: scaled command -> its run's log: cells whose printed commands scale to the same one share a run
+_RUNS: dict[tuple[str, ...], str] = {}
+
+
+def run_scaled(command: str, devices: int, tmp_path: Path) -> str:
+    """The printed command scaled down, run 2 steps on CPU by the console script it names
+    (``lightning-par``, this environment's); its output. Run once per distinct scaled command."""
+    key = tuple(scaled(command, devices))
+    if key not in _RUNS:
+        args = [*key, f"paths.output_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]  # not outputs/<second>: two at once collide
+        done = subprocess.run([str(BIN / "lightning-par"), *args], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, f"{args}\n{done.stderr[-3000:]}"
+        _RUNS[key] = done.stdout + done.stderr
+    return _RUNS[key]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case,devices", [("70b-4-nodes-slow", 4),
                                           ("5b-layers-one-8gb", 1), ("moe-8x-top2-one-node", 4),
                                           ("70b-8-nodes-50gbs", 4), ("405b-16-nodes", 8),
-                                          ("13b-2x24-host-stated", 2), ("13b-8x24-8bit", 2)])
+                                          ("13b-2x24-host-stated", 2), ("13b-8x24-8bit", 2),
+                                          *((f"llama3-8b-{src}-{c}", 2 if c == "8x80" else 1)
+                                            for src in ("config", "flags") for c in LLAMA3_CLUSTERS)])
 def test_printed_command_runs_scaled_down(case, devices, answers, tmp_path: Path):
     """The plans with the most machinery -- 3d (pipeline x TP x FSDP, with SP and the interleaved
     schedule for 405B); ZeRO-3 offload, tiled; expert parallelism x FSDP; FSDP x TP with sequence
-    parallelism and bf16 gathers; FSDP with 8-bit states -- and every held-out case run 2 steps on CPU.
-    (All five of issue 11 ran when this was written: 125M 30 s, 7B 41 s, 10B 42 s; trimmed for CI.)"""
-    (command,) = [ln.strip() for ln in answers[case].splitlines() if ln.strip().startswith("python run.py ")]
-    args = scaled(command, devices) + [f"paths.output_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]  # not outputs/<second>: two at once collide
-    done = subprocess.run([sys.executable, "run.py", *args], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, f"{args}\n{done.stderr[-3000:]}"
+    parallelism and bf16 gathers; FSDP with 8-bit states -- and every held-out case run 2 steps on CPU;
+    and Llama-3-8B's (issue 34: a Hugging Face Llama, with the config's rotary and norm fields from a
+    config.json), each distinct scaled command once. (All five of issue 11 ran when this was written:
+    125M 30 s, 7B 41 s, 10B 42 s; trimmed for CI.)"""
+    log = run_scaled(command_of(answers[case]), devices, tmp_path)
+    assert "`max_steps=2` reached" in log, log[-3000:]
 
 
 def test_one_device_tries_8bit_states_before_offload(answers):
@@ -215,8 +286,11 @@ def test_one_device_tries_8bit_states_before_offload(answers):
     out = answers["1.5b-one-24gb-8bit"]
     table = _table(out)
     assert table["single"]["fits"] == "NO" and table["single 8-bit"]["fits"] == "yes", out
-    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
+    command = command_of(out)
     assert "strategy=single" in command and "model.optimizer=adamw8bit" in command, command
+    # the headline names the row chosen, and the extra its optimizer needs is named
+    assert out.splitlines()[0] == "Recommended: single 8-bit", out
+    assert "It needs: pip install 'lightning_par[optim8bit]'" in out, out
 
 
 def test_expert_parallel_beats_gathering_the_experts(answers):
@@ -243,7 +317,7 @@ def test_expert_parallel_over_the_whole_world_is_weighed(answers):
     # its gathers hide behind compute within one node: the answer is the faster of the two, by step time
     chosen = next(iter(t.values()))
     assert float(chosen["step s"]) <= float(t["expert_parallel (ep8, fsdp)"]["step s"]), out
-    assert out.splitlines()[0].removeprefix("Recommended: ") in ("expert_parallel", "fsdp"), out
+    assert out.splitlines()[0].removeprefix("Recommended: ").split()[0] in ("expert_parallel", "fsdp"), out
 
 
 def test_replicating_a_small_moe_beats_expert_parallel(answers):
@@ -276,7 +350,7 @@ def test_held_out_70b_is_never_a_deep_bubble(answers):
     a 47% bubble nobody priced. At the same global batch every plan is now timed, bubble included: the
     answer is FSDP-family or a pipeline whose bubble is small."""
     out = answers["70b-8-nodes-50gbs"]
-    strategy = out.splitlines()[0].removeprefix("Recommended: ")
+    strategy = out.splitlines()[0].removeprefix("Recommended: ").split()[0]
     assert strategy in ("fsdp", "hsdp", "fsdp_tp", "3d"), out
     bubble = re.search(r"pipeline bubble: (\d+)%", out)
     assert bubble is None or int(bubble.group(1)) <= 15, out
@@ -290,8 +364,8 @@ def test_held_out_70b_is_never_a_deep_bubble(answers):
 def test_held_out_405b_gets_3d_with_sequence_parallelism(answers):
     """405B on 128 x 80 GB used to get "nothing fits": sequence parallelism was never tried."""
     out = answers["405b-16-nodes"]
-    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
-    assert command.startswith("python run.py strategy=3d ") and "strategy.sequence_parallel=true" in command, out
+    command = command_of(out)
+    assert command.startswith("lightning-par strategy=3d ") and "strategy.sequence_parallel=true" in command, out
     t = _table(out)
     label = next(iter(t))
     assert " sp " in f" {label} " and t[label]["fits"] == "yes"
@@ -315,7 +389,7 @@ def test_5b_layers_fit_one_8gb_device_with_tiling_and_bf16_gathers(answers):
     """Issue 22's case: the advisor used to answer "nothing fits"; offload with the large linears tiled
     and bf16 gathers fits one 8 GB device (the command runs scaled down: test_printed_command_runs...)."""
     out = answers["5b-layers-one-8gb"]
-    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
+    command = command_of(out)
     assert "+strategy.tiling=" in command and "strategy.param_dtype=bf16" in command, out
     first = next(iter(_table(out).values()))
     assert first["fits"] == "yes" and float(first["peak"]) <= 0.9 * 8
@@ -334,8 +408,8 @@ def test_8bit_states_are_weighed_on_many_devices(answers):
     """When no plan fits with AdamW's fp32 states (and offload is ruled out by the host memory stated),
     every plan is priced again with 8-bit states: FSDP with them fits."""
     out = answers["13b-8x24-8bit"]
-    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
-    assert command.startswith("python run.py strategy=fsdp ") and "model.optimizer=adamw8bit" in command, out
+    command = command_of(out)
+    assert command.startswith("lightning-par strategy=fsdp ") and "model.optimizer=adamw8bit" in command, out
     assert "states in 8 bits" in out and "fits one device" not in out
 
 
@@ -347,8 +421,8 @@ def test_disk_tier_when_only_nvme_holds_the_offloaded_states():
     args = ["--params", "30e9", "--layers", "48", "--hidden", "7168", "--devices-per-node", "1",
             "--host-memory", "256"]
     out = advisor([*args, "--nvme", "2000"])
-    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
-    assert command.startswith("python run.py strategy=zero3_offload ") and "strategy.offload_dir=" in command, out
+    command = command_of(out)
+    assert command.startswith("lightning-par strategy=zero3_offload ") and "strategy.offload_dir=" in command, out
     assert "zero3_offload disk" in out and "do not fit the host memory stated (256 GiB per node)" in out, out
     # its step time includes the disk (--nvme-gbs, the node's, shared by its ranks: one here): at 1 GB/s the
     # paged optimizer step moves 32 bytes per parameter through it; at 1000 GB/s the host's Adam (28 bytes per
@@ -387,16 +461,6 @@ def test_estimator_splits_the_disk_tier_between_host_and_disk():
 # ---------------------------------------------------------------------------------------------------
 # Hugging Face presets (conf/model/hf_*.yaml): priced from the transformers model, plans it can run
 
-#: a Hugging Face preset shrunk through hf_causal_lm's fields (tp=2 divides its 2 key/value heads)
-HF_SCALE = {"model.hidden": "64", "model.layers": "4", "model.heads": "4", "model.kv_heads": "2",
-            "model.intermediate": "128", "model.vocab": "256", "model.max_positions": "32"}
-
-
-def hf_scaled(command: str, devices: int) -> list[str]:
-    return [w for w in scaled(command, devices) if not w.startswith("+model.")] + [
-        f"{k}={v}" for k, v in HF_SCALE.items()]
-
-
 @pytest.mark.parametrize("args,devices", [
     (["--nodes", "1", "--devices-per-node", "8", "--device-memory", "80"], 2),
     (["--devices-per-node", "1", "--device-memory", "8"], 1),
@@ -410,12 +474,12 @@ def test_hf_llama_1b_gets_a_plan_whose_command_builds(args, devices, tmp_path: P
     from tests.helpers import composed
 
     out = advisor(["--model", "hf_llama_1b", *args])
-    strategy = out.splitlines()[0].removeprefix("Recommended: ")
-    (command,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("python run.py ")]
-    assert command.startswith(f"python run.py strategy={strategy} model=hf_llama_1b data.seq_len=2048 "), out
+    strategy = out.splitlines()[0].removeprefix("Recommended: ").split()[0]
+    command = command_of(out)
+    assert command.startswith(f"lightning-par strategy={strategy} model=hf_llama_1b data.seq_len=2048 "), out
     rows = _table(out)
     assert rows and not any(" sp" in f" {label} " for label in rows), out
-    cfg = composed(*hf_scaled(command, devices), tmp=tmp_path)
+    cfg = composed(*scaled(command, devices), tmp=tmp_path)
     parts = build(cfg)
     assert validate(cfg, parts["strategy"], parts["model"], parts["datamodule"]) == devices
 
@@ -484,3 +548,171 @@ def test_help_lists_every_accepted_model() -> None:
         main(["--help"])
     for name in ("gpt2", "gpt_7b", "moe_8x_top2", "hf_llama_1b", "hf_qwen2_0p5b", "hf_llama_tiny", "hf_gpt2_tiny"):
         assert name in out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 34: the model asked is the model priced -- configs, save_pretrained directories, Llama-style flags
+
+
+def _meta_count(cfg) -> int:
+    """Parameters of transformers' own model of ``cfg``, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+
+
+def _memory_line(out: str) -> tuple[float, float, float, str]:
+    """(peak, usable, margin) GiB of the answer's ``Memory:`` line, and the line."""
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("Memory: ")]
+    m = re.match(r"Memory: peak ([\d.]+) GiB per device of ([\d.]+) GiB usable .*?, margin (-?[\d.]+) GiB", line)
+    assert m, line
+    return float(m.group(1)), float(m.group(2)), float(m.group(3)), line
+
+
+@pytest.mark.parametrize("cluster", list(LLAMA3_CLUSTERS))
+@pytest.mark.parametrize("source", ["config", "flags"])
+def test_llama3_8b_is_priced_at_transformers_count(source, cluster, answers, llama3_dir, tmp_path: Path):
+    """Llama-3-8B from its config.json and from flags (``--kv-heads 8 --intermediate 14336``) on 1 x 80 GB,
+    1 x 24 GB and 8 x 80 GB: the count priced is transformers' own (8,030,261,248, not the 7,501,778,944
+    of the GPT the flags used to build) and shown with the shape; the margin to the memory limit is shown;
+    and the printed command, composed as the app composes it, builds a model of exactly that count
+    (with the config's rotary and norm fields)."""
+    from hydra.utils import instantiate
+    from transformers import LlamaConfig
+
+    from tests.helpers import composed
+
+    n = _meta_count(LlamaConfig(**LLAMA3_8B))
+    assert n == LLAMA3_8B_PARAMS
+    out = answers[f"llama3-8b-{source}-{cluster}"]
+    assert f"Model: {n:,} parameters (embedding 525,336,576 + 32 layers x 218,112,000 + head 525,340,672)" in out, out
+    for shown in ("llama (LlamaForCausalLM): 32 layers, hidden 4096, 32 attention heads, 8 key/value heads "
+                  "(grouped-query), gated MLP 14336 (silu), vocabulary 128256, untied head",
+                  f"{8192 if source == 'config' else 2048}-token sequences"):
+        assert shown in out, out
+    if source == "flags":
+        assert "(+0.0% from --params)" in out and "note: these flags build a GPT" not in out, out
+    else:
+        assert f"from --config {llama3_dir / 'config.json'}" in out and "rms_norm_eps=1e-05" in out, out
+    # the headline names the first row, whose peak the margin is measured from
+    rows = _table(out)
+    label, first = next(iter(rows.items()))
+    assert out.splitlines()[0] == f"Recommended: {label}", out
+    peak, usable, margin, line = _memory_line(out)
+    assert peak == pytest.approx(float(first["peak"]), abs=0.006) and usable == pytest.approx(
+        0.9 * (24 if cluster == "1x24" else 80), abs=0.006)
+    assert margin == pytest.approx(usable - peak, abs=0.011)
+    assert ("WITHIN 5% OF THE LIMIT" in line) == (margin < 0.05 * usable), line
+    if cluster == "1x80":  # 8-bit states no longer fit: 8.03B x (4 + 4 + 2) bytes alone are 74.8 GiB
+        assert rows["single 8-bit"]["fits"] == "NO" and float(rows["single 8-bit"]["peak"]) > 72, out
+    assert "It needs: pip install 'lightning_par[hf]'" in out, out
+    # the command builds that model: hf_causal_lm with the config's sizes and further fields
+    command = command_of(out)
+    assert " model=hf_causal_lm model.arch=llama model.hidden=4096 model.layers=32 model.heads=32 model.kv_heads=8 " \
+           "model.intermediate=14336 model.vocab=128256 " in command, command
+    module = instantiate(composed(*shlex.split(command)[1:], tmp=tmp_path).model)
+    assert _meta_count(module.hf_config) == n
+    if source == "config":
+        assert module.hf_config.rope_parameters["rope_theta"] == 500000.0 and module.hf_config.rms_norm_eps == 1e-5
+
+
+def test_llama3_8b_from_a_save_pretrained_directory(answers, llama3_dir):
+    """``--pretrained DIR`` reads DIR/config.json only (there are no weights here): priced as the config
+    is, and the command fine-tunes DIR's model (``model.pretrained=DIR``), saying the weights are missing."""
+    for cluster, args in LLAMA3_CLUSTERS.items():
+        out = advisor(["--pretrained", str(llama3_dir), *args])
+        same = answers[f"llama3-8b-config-{cluster}"]
+        assert out.splitlines()[0] == same.splitlines()[0] and _table(out) == _table(same), out
+        assert f"Model: {LLAMA3_8B_PARAMS:,} parameters" in out and f"from --pretrained {llama3_dir}" in out
+        command = command_of(out)
+        assert f" model=hf_causal_lm model.pretrained={llama3_dir} data.seq_len=8192 " in command, command
+        assert "model.hidden" not in command and f"note: {llama3_dir} holds no safetensors weights" in out
+
+
+@pytest.mark.slow
+def test_pretrained_command_runs(tmp_path: Path):
+    """A save_pretrained directory with weights (a tiny Llama): priced at its count, and the printed
+    ``model.pretrained=DIR`` command trains it 2 steps on CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
+    out = advisor(["--pretrained", str(tmp_path / "tiny"), "--devices-per-node", "1", "--device-memory", "24"])
+    assert out.startswith("Recommended: single\n") and f"Model: {_meta_count(cfg):,} parameters" in out, out
+    assert "tied head" in out and "holds no safetensors" not in out, out
+    command = command_of(out)
+    assert f"model.pretrained={tmp_path / 'tiny'}" in command and "data.seq_len=64" in command, command
+    log = run_scaled(command, 1, tmp_path)
+    assert "`max_steps=2` reached" in log, log[-3000:]
+
+
+def test_llama_style_flags():
+    """Flags say what a config says: a fractional ``--mlp-ratio`` (SwiGLU's 3.5) or ``--intermediate`` builds
+    a gated MLP, ``--tie-embeddings`` ties the head; each priced at the count of transformers' model. The
+    bare GPT form says how far it is from ``--params``; contradictions are one argparse line."""
+    from transformers import LlamaConfig
+
+    ratio = advisor([*LLAMA3_8B_FLAGS[:-2], "--mlp-ratio", "3.5", "--devices-per-node", "1"])
+    assert f"Model: {LLAMA3_8B_PARAMS:,} parameters" in ratio and "gated MLP 14336 (silu)" in ratio, ratio
+    tied = advisor([*LLAMA3_8B_FLAGS, "--tie-embeddings", "--devices-per-node", "1"])
+    n_tied = _meta_count(LlamaConfig(**{**LLAMA3_8B, "tie_word_embeddings": True}))
+    assert n_tied == LLAMA3_8B_PARAMS - 4096 * 128256
+    assert f"Model: {n_tied:,} parameters" in tied and ", tied head" in tied, tied
+    assert "model.tie_word_embeddings=true" in command_of(tied)
+    qwen = advisor(["--params", "0.5e9", "--layers", "24", "--hidden", "896", "--heads", "14", "--kv-heads", "2",
+                    "--intermediate", "4864", "--vocab", "151936", "--tie-embeddings", "--arch", "qwen2",
+                    "--devices-per-node", "1"])
+    _, qwen_shape = model_shape("hf_qwen2_0p5b")
+    assert f"Model: {qwen_shape.units()['total']:,} parameters" in qwen and "qwen2 (Qwen2ForCausalLM)" in qwen, qwen
+    # the bare form is still our GPT, and says so
+    gpt = advisor(LLAMA3_8B_FLAGS[:-4] + ["--devices-per-node", "1"])
+    assert "Model: 7,501,778,944 parameters" in gpt and "GPT (models/gpt.py)" in gpt, gpt
+    assert "note: these flags build a GPT of 7,501,778,944 parameters, 6.6% below --params" in gpt, gpt
+    assert out_line(gpt, "Recommended: ") == "Recommended: single 8-bit"
+    assert "WITHIN 5% OF THE LIMIT" in _memory_line(gpt)[3]  # 70.08 GiB of 72
+    for bad, why in ((["--arch", "gpt", "--kv-heads", "8"], "--kv-heads: not a GPT's"),
+                     (["--mlp-ratio", "3.5", "--arch", "gpt"], "integer ratio"),
+                     (["--mlp-ratio", "3.5", "--intermediate", "14336"], "give one"),
+                     (["--kv-heads", "5"], "not a multiple of kv_heads=5")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+            main([*LLAMA3_8B_FLAGS[:-4], *bad])
+        assert e.value.code == 2 and why in err.getvalue(), (bad, err.getvalue())
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(["--model", "gpt2", "--layers", "4", "--kv-heads", "2"])
+    assert e.value.code == 2 and "--layers, --kv-heads: only with --params" in err.getvalue(), err.getvalue()
+
+
+def out_line(out: str, prefix: str) -> str:
+    (line,) = [ln for ln in out.splitlines() if ln.startswith(prefix)]
+    return line
+
+
+def test_a_config_the_advisor_cannot_price_says_what_it_is(tmp_path: Path):
+    """A Mixtral config.json (routed experts: no op-by-op shape) is one argparse line naming the model and
+    its parameter count as transformers builds it, not a different model's answer."""
+    from lightning_par.models.hf_registry import tiny_config
+
+    cfg = tiny_config("mixtral")
+    cfg.to_json_file(tmp_path / "config.json")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(["--config", str(tmp_path / "config.json")])
+    assert e.value.code == 2, err.getvalue()
+    assert f"a mixtral model ({_meta_count(cfg):,} parameters, 4 experts) that the advisor cannot price" \
+           in err.getvalue(), err.getvalue()
+
+
+def test_advise_console_script(tmp_path: Path):
+    """``lightning-par-advise`` is installed (pyproject [project.scripts]) and answers as the module does."""
+    done = subprocess.run([str(BIN / "lightning-par-advise"), "--model", "gpt2", "--devices-per-node", "1",
+                           "--device-memory", "24"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("Recommended: single\nModel: "), done.stdout + done.stderr
+    assert "lightning-par strategy=single model=gpt2 " in done.stdout
+    bad = subprocess.run([str(BIN / "lightning-par-advise"), "--config", str(tmp_path / "missing.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("lightning-par-advise: error: "
+                                                                                  "--config"), bad.stderr

@@ -36,11 +36,14 @@ Hugging Face decoders (``models/hf.py``: Llama, Qwen2 and GPT-2 as ``hf_config``
 ``Shape`` with ``hf_arch``) save what their own modules save, counted the same way
 (``hf_layer_bytes_per_token``): RMSNorm's fp32 statistics, one autocast copy of a norm's output per
 linear that reads it, grouped-query k/v at their own width, a gated MLP's four inner tensors.
-Their parameters are counted from the transformers model itself (``Shape.units``).
+Their parameters are counted from the transformers model itself (``Shape.units``), built from the
+config's sizes and every further field that differs from the architecture's defaults (``hf_extra``:
+biases, rotary parameters, ...), so the count is transformers' own.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -55,6 +58,35 @@ HF_ARCHS = ("llama", "qwen2", "gpt2")
 #: (which the next op saves): torch's fused GELU / SiLU their input; transformers' ``gelu_new`` is
 #: written out in Python ops (0.5 x (1 + tanh(c (x + 0.044715 x^3)))) and keeps four
 ACT_SAVED = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "gelu_new": 4}
+#: transformers config fields a ``Shape`` holds in its own fields (``models/hf.py``'s size vocabulary:
+#: ``hf_config``'s arguments), by architecture family
+_HF_SIZE_FIELDS = {
+    "gpt2": ("n_embd", "n_layer", "n_head", "n_inner", "n_positions", "vocab_size", "tie_word_embeddings",
+             "activation_function"),
+    "": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "intermediate_size", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "hidden_act"),
+}
+#: fields that do not change the model trained here: token ids (the data's own; ``hf_config`` sets
+#: none), the KV cache, dropout (off in every run), the per-layer attention kinds (derived from the
+#: depth; ``of_hf`` refuses any but full attention)
+_HF_IGNORED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "layer_types", "resid_pdrop",
+                      "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "summary_first_dropout",
+                      "dropout", "activation_dropout")
+
+
+def hf_extra_fields(config: Any) -> tuple[tuple[str, str], ...]:
+    """The fields of a transformers config that a ``Shape``'s sizes do not say and that differ from
+    the architecture's defaults (``attention_bias``, ``mlp_bias``, ``rope_parameters``,
+    ``rms_norm_eps``, ...), as (name, JSON value) pairs, sorted: the config's class fields only
+    (not ``PretrainedConfig``'s bookkeeping: architectures, dtype, ...)."""
+    from transformers import PretrainedConfig
+
+    base = set(PretrainedConfig().to_dict())
+    default = type(config)().to_dict()
+    mine = config.to_dict()
+    skip = set(_HF_SIZE_FIELDS["gpt2" if config.model_type == "gpt2" else ""]) | set(_HF_IGNORED_FIELDS) | base
+    return tuple(sorted((k, json.dumps(v, sort_keys=True, default=str)) for k, v in mine.items()
+                        if k in default and k not in skip and not k.startswith("_") and v != default[k]))
 
 
 @dataclass(frozen=True)
@@ -90,11 +122,19 @@ class Shape:
     tied: bool = False  # the output head reuses the token embedding's table
     learned_positions: bool = True  # a position table of block_size rows (False: rotary, no table)
     hf_arch: str = ""  # the transformers model_type (``HF_ARCHS``); "": models/gpt.py / moe.py
+    #: further transformers config fields, (name, JSON value), that differ from the architecture's
+    #: defaults (``hf_extra_fields``: attention / MLP biases, rotary parameters, norm epsilon, ...)
+    hf_extra: tuple[tuple[str, str], ...] = ()
 
     @property
     def hf(self) -> bool:
         """A Hugging Face decoder (``models/hf.py``), not our GPT / MoE."""
         return bool(self.hf_arch)
+
+    @property
+    def hf_fields(self) -> dict[str, Any]:
+        """``hf_extra`` as config fields (the values decoded)."""
+        return {k: json.loads(v) for k, v in self.hf_extra}
 
     @property
     def n_kv_heads(self) -> int:
@@ -162,15 +202,21 @@ class Shape:
                              f"(known: {', '.join(ACT_SAVED)})")
         positions = int(config.n_positions if gpt2 else config.max_position_embeddings)
         inner = int((config.n_inner if gpt2 else config.intermediate_size) or 4 * hidden)
+        kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
+        if kinds:
+            raise ValueError(f"{arch}: layers of {', '.join(sorted(kinds))} (sliding-window attention): the estimator "
+                             "models full causal attention only")
         return cls(int(config.n_layer if gpt2 else config.num_hidden_layers), hidden, heads, int(config.vocab_size),
                    int(seq_len or positions), bias=gpt2, block_size=positions,
                    kv_heads=0 if gpt2 else int(config.num_key_value_heads or heads), mlp_hidden=inner,
                    gated_mlp=not gpt2, hidden_act=act, fused_qkv=gpt2, rms_norm=not gpt2,
-                   tied=bool(config.tie_word_embeddings), learned_positions=gpt2, hf_arch=arch)
+                   tied=bool(config.tie_word_embeddings), learned_positions=gpt2, hf_arch=arch,
+                   hf_extra=hf_extra_fields(config))
 
     def hf_config(self, layers: int | None = None) -> Any:
         """The transformers config of a Hugging Face shape, built by ``models/hf.py``'s ``hf_config``
-        (``layers``: another depth, e.g. one layer to count a layer's parameters)."""
+        with its further fields (``hf_extra``; ``layers``: another depth, e.g. one layer to count a
+        layer's parameters)."""
         if not self.hf:
             raise ValueError("hf_config: not a Hugging Face shape (hf_arch is empty); see gpt_config")
         from lightning_par.models.hf import hf_config
@@ -178,7 +224,8 @@ class Shape:
         act = {"activation_function" if self.hf_arch == "gpt2" else "hidden_act": self.hidden_act}
         return hf_config(self.hf_arch, hidden=self.n_embd, layers=layers or self.n_layer, heads=self.n_head,
                          kv_heads=self.kv_heads or None, intermediate=self.inner, vocab=self.vocab_size,
-                         max_positions=self.block_size or self.seq_len, tie_word_embeddings=self.tied, **act)
+                         max_positions=self.block_size or self.seq_len, tie_word_embeddings=self.tied,
+                         **act, **self.hf_fields)
 
     def gpt_config(self, dense: bool = False):
         """The model's config: a ``GPTConfig``, or a ``MoEConfig`` for an MoE shape (``dense``: the

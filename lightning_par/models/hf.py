@@ -22,6 +22,7 @@ import contextlib
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_par.models.module import ParModule
@@ -117,6 +118,9 @@ class HFCausalLM(ParModule):
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.save_hyperparameters()
+        # plain values: a dict- or list-valued field from Hydra (``+model.config.rope_parameters={...}``)
+        # arrives as an OmegaConf container, which transformers' config validation refuses
+        config = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
         self.pretrained = str(pretrained) if pretrained else None
         if self.pretrained:  # architecture and sizes from the checkpoint; checked against its tensors now
             extra = dict(config or {})
