@@ -15,6 +15,8 @@ with one line naming the file.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import os
@@ -259,6 +261,41 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(zero3_x2, tmp_path, case
     assert named in message, message
 
 
+def _garble(target: Path, n: int = 5000, at: int = 64) -> None:
+    """``n`` random bytes written in place (the file's size unchanged): what DCP alone cannot see."""
+    size = target.stat().st_size
+    with open(target, "r+b") as f:
+        f.seek(min(at, max(0, size - n)))
+        f.write(os.urandom(min(n, size)))
+    assert target.stat().st_size == size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["__0_0.distcp", "__1_0.distcp", "meta.pt"])
+def test_garbled_file_is_one_line_naming_it(zero3_x2, tmp_path, name):
+    record = json.loads((zero3_x2 / "checksums.json").read_text())
+    # every file of the checkpoint is listed: both ranks' shards, .metadata, meta.pt
+    assert sorted(record["files"]) == sorted(p.name for p in zero3_x2.iterdir() if p.name != "checksums.json")
+    dest = tmp_path / "ckpt"
+    shutil.copytree(zero3_x2, dest)
+    _garble(dest / name)
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint(dest)
+    message = str(err.value)
+    assert "\n" not in message and f"checkpoint file {dest / name} is damaged" in message, message
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_before_checksums_loads_with_a_note(zero3_x2, tmp_path, capfd):
+    dest = tmp_path / "old"
+    shutil.copytree(zero3_x2, dest)
+    (dest / "checksums.json").unlink()
+    check_checkpoint(dest)  # passes
+    check_checkpoint(dest)  # noted once per process
+    err = capfd.readouterr().err
+    assert err.count(f"note: checkpoint {dest} has no checksums.json") == 1, err
+
+
 @pytest.mark.slow
 def test_not_a_checkpoint_directory(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -276,21 +313,21 @@ def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.mark.slow
 def test_resume_from_damaged_checkpoints_stops_with_one_line(zero3_x2, tmp_path):
-    """Through run.py: a truncated shard (found by the check) on one process, and shard contents
-    garbled in place (same size: found only while DCP reads it) on 2 ranks."""
+    """Through run.py, before any rank starts: a truncated shard on one process, and 5000 random bytes
+    garbled in place (same size: DCP itself loads it without complaint) on 2 ranks, each one line naming
+    the file, printed once."""
     truncated = _damaged_copy(zero3_x2, tmp_path / "truncated", "__1_0.distcp", 0.5)
     garbled = tmp_path / "garbled"
     shutil.copytree(zero3_x2, garbled)
-    with open(garbled / "__0_0.distcp", "r+b") as f:
-        f.seek(100)
-        f.write(b"x" * 100_000)
+    _garble(garbled / "__0_0.distcp")
     args = [*QUICK, "trainer.max_steps=8"]
     for ckpt, extra, named in ((truncated.parent, ["strategy=single"], str(truncated)),
-                               (garbled, ["strategy=ddp", "trainer.devices=2"], str(garbled))):
+                               (garbled, ["strategy=ddp", "trainer.devices=2"], str(garbled / "__0_0.distcp"))):
         run_dir = tmp_path / f"run_{ckpt.name}"
         proc = run_cli([*args, *extra, f"ckpt_path={ckpt}"], run_dir, timeout=180, check=False)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         lines = _error_lines(proc)
-        assert lines and all(named in line for line in lines), proc.stderr[-3000:]
+        assert len(lines) == 1 and named in lines[0], proc.stderr[-3000:]
+        assert "Initializing distributed" not in proc.stdout + proc.stderr  # before any process started
         assert not (run_dir / "summary.json").exists()

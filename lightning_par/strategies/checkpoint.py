@@ -56,7 +56,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_par.parallel.hf_plan import find_hf_model
-from lightning_par.strategies.checkpoint_errors import CheckpointError, _cause
+from lightning_par.strategies import checkpoint_checksums as checksums
+from lightning_par.strategies.checkpoint_errors import CheckpointError, CheckpointSaveError, _cause
 from lightning_par.strategies.lightning_file import check_lightning_file, load_lightning_file
 from lightning_par.parallel.materialize import canonical_name
 from lightning_par.parallel.tp_styles import gather_packed, has_packed, scatter_packed
@@ -104,7 +105,9 @@ def check_checkpoint(path: str | Path | None) -> None:
     files), so it runs before any process starts; ``None`` and Lightning's names (``last``, ``best``,
     ``hpc``) pass. Damage it finds: a missing or empty directory, no ``.metadata`` (DCP writes it
     last, so a checkpoint cut off mid-save has none), a ``.metadata`` DCP cannot read, a shard file
-    missing or shorter than ``.metadata`` says, no model state, a missing or unreadable ``meta.pt``."""
+    missing or shorter than ``.metadata`` says, no model state, a missing or unreadable ``meta.pt``,
+    and a file whose contents differ from those saved (``checksums.json``, ``checkpoint_checksums.py``:
+    this reads the checkpoint once, once per process)."""
     if path is None or str(path) in _LIGHTNING_CKPT_NAMES:
         return
     path = Path(path)
@@ -144,6 +147,7 @@ def check_checkpoint(path: str | Path | None) -> None:
         torch.load(meta_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, empty file, unsafe pickle: all unreadable
         raise CheckpointError(f"checkpoint file {meta_file} is damaged or not safely loadable: {_cause(e)}") from None
+    checksums.verify(path, CheckpointError)
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
@@ -263,15 +267,39 @@ class DistributedCheckpointMixin:
         states = {MODEL_KEY: checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             states[f"optimizer_{i}"] = plain(opt_state)
+        try:
+            if self.is_global_zero:
+                if path.exists():  # a stale file, or a checkpoint written by more ranks
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                path.mkdir(parents=True)
+                torch.save(plain(checkpoint), path / _METADATA_FILENAME)
+            self.barrier()
+            # DCP writes ``.metadata`` last, after every rank's shards: its presence marks a complete checkpoint
+            dcp.save(gather_packed(states), checkpoint_id=path)  # packed TP weights replicated over tp
+            self._write_checksums(path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's own error is a BaseException
+            # a full disk (or any failed write): no half-written checkpoint stays to fill the disk or to be
+            # mistaken for one; the previous checkpoints are untouched
+            if self.is_global_zero:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            raise CheckpointSaveError(save_failure(path, e)) from None
+        self.barrier()
+
+    def _write_checksums(self, path: Path) -> None:
+        """Each rank hashes the shard files it wrote; rank 0 adds the rest and writes ``checksums.json``."""
+        import torch.distributed as dist
+
+        rank = self.global_rank
+        own = checksums.digests(path, checksums.own_shard_files(path, rank))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, own)
+        else:
+            gathered = [own]
         if self.is_global_zero:
-            if path.exists():  # a stale file, or a checkpoint written by more ranks
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            path.mkdir(parents=True)
-            torch.save(plain(checkpoint), path / _METADATA_FILENAME)
-        self.barrier()
-        # DCP writes ``.metadata`` last, after every rank's shards: its presence marks a complete checkpoint
-        dcp.save(gather_packed(states), checkpoint_id=path)  # packed TP weights replicated over tp
-        self.barrier()
+            files = {name: digest for part in gathered for name, digest in part.items()}
+            files.update(checksums.digests(path, [".metadata", _METADATA_FILENAME]))
+            checksums.write_checksums(path, files)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
@@ -280,7 +308,17 @@ class DistributedCheckpointMixin:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        check_checkpoint(path)  # again here: a run started without the launcher's check gets the same one line
+        # again here: a run started without the launcher's check gets the same one line. Rank 0 checks (the
+        # launcher's process: its verified checksums are remembered) and tells the others
+        problem = None
+        if self.is_global_zero:
+            try:
+                check_checkpoint(path)
+            except CheckpointError as e:
+                problem = str(e)
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
         if path.is_file():
             return load_lightning_file(self, path, weights_only)
         saved = {k.split(".", 1)[0] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
@@ -335,6 +373,33 @@ class DistributedCheckpointMixin:
             return dataloader
         dp_size = int((getattr(self, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1))
         return ResumableLoader(dataloader, dp_size)
+
+
+def save_failure(path: Path, exc: BaseException) -> str:
+    """One line for a checkpoint save that failed: the cause, the directory, its free space and what a
+    checkpoint of this run takes (its newest complete sibling's size on disk, when there is one)."""
+    cause = _cause(exc)
+    line = f"cannot save checkpoint {path}: {cause}; the partial checkpoint was removed"
+    parent = path.parent
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        return line
+    sizes = []
+    for sibling in parent.glob("*.ckpt"):
+        if sibling != path and is_sharded_checkpoint(sibling):
+            sizes.append((sibling.stat().st_mtime, sum(f.stat().st_size for f in sibling.iterdir() if f.is_file()),
+                          sibling.name))
+    need = f"; a checkpoint of this run takes {_size(max(sizes)[1])} ({max(sizes)[2]})" if sizes else ""
+    return f"{line}. {parent} has {_size(free)} free{need}"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def lightning_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,11 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from (missing, incomplete, damaged); one line naming the file."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a failed write); one line naming the directory,
+    its free space and what a checkpoint of the run takes. The partial checkpoint has been removed."""
+
+
 def _cause(exc: BaseException, limit: int = 200) -> str:
     """The informative line of ``exc``'s message (torch's safe-loading errors bury it mid-text; DCP
     wraps each rank's error with its traceback)."""
