@@ -1,9 +1,11 @@
 """Entry of ranks 1..N-1 started by lightning_par's launcher: ``python -m lightning_par.child CONFIG``.
 
 It trains the one job described by the resolved config file (no Hydra, no sweep); the launcher has
-set LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. A failure prints one
-``error:`` line (rank 0 reports the job's failure in error.json; this rank writes it only where rank
-0 has not) and exits nonzero: 143 after a stop on SIGTERM, 1 otherwise.
+set LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. A failure prints nothing:
+rank 0 reports every failure once, naming the rank (an error all ranks raised alike, such as a stop on
+a signal, is rank 0's own; this rank's own error goes to a file its launcher reads,
+``jobs.record_rank_failure``). The exit status is nonzero: 128 + the signal after a stop on one, 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -31,14 +33,12 @@ def main(argv: list[str]) -> None:
         from lightning_par.train import train
 
         train(cfg, child=True)
-    except BaseException as e:  # noqa: BLE001 -- one line, whatever ended this rank
-        from lightning_par.jobs import global_rank, one_line, record_failure, root_error
+    except BaseException as e:  # noqa: BLE001 -- whatever ended this rank, rank 0 reports it
+        from lightning_par.jobs import record_rank_failure
 
-        cause = root_error(e)
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
-        if code:
-            record_failure(e, cfg.get("paths", {}).get("output_dir"), overrides=[])
-            print(f"error: rank {global_rank()}: {type(cause).__name__}: {one_line(cause)}", file=sys.stderr)
+        if code and not getattr(e, "all_ranks", False):
+            record_rank_failure(e, cfg.get("paths", {}).get("output_dir"))
         _exit(code)
     _exit(0)
 

@@ -300,10 +300,36 @@ class ClaimRunDir(Callback):
 
         if global_rank() != 0:  # under torchrun or srun, rank 0 holds the directory
             return
+        run_dir = str(OmegaConf.select(config, "hydra.run.dir"))
         try:  # hydra.run.dir resolves as run_job will resolve it (Hydra caches ${now:})
-            claim_run_dir(str(OmegaConf.select(config, "hydra.run.dir")))
+            claim_run_dir(run_dir)
         except ConfigError as e:  # RunDirInUse, or a file system without locks
             _config_failure(e)
+        except OSError as e:  # read-only, not a directory, ...: Hydra would print a traceback opening run.log
+            _config_failure(_unwritable("run directory", run_dir, e))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        """A sweep's directory: created and written here, so a read-only one is one line, not Hydra's traceback."""
+        import tempfile
+
+        from lightning_par.jobs import global_rank
+
+        if global_rank() != 0:
+            return
+        sweep_dir = str(OmegaConf.select(config, "hydra.sweep.dir"))
+        try:
+            os.makedirs(sweep_dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=sweep_dir, prefix=".write-test-"):
+                pass
+        except OSError as e:
+            _config_failure(_unwritable("sweep directory", sweep_dir, e))
+
+
+def _unwritable(what: str, path: str, e: OSError) -> ConfigError:
+    reason = e.strerror or type(e).__name__
+    where = f" ({e.filename})" if e.filename and str(e.filename) != path else ""
+    return ConfigError(f"{what} {path} cannot be created or written: {reason}{where}; set hydra.run.dir "
+                       "(hydra.sweep.dir for -m) to a writable directory")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,6 +393,11 @@ def _job(cfg: DictConfig) -> float | None:
     try:
         return _run(cfg)
     except (KeyboardInterrupt, SystemExit) as e:  # an interrupt or an explicit exit ends everything
+        if _interrupted(e):  # Ctrl-C before training started (in training the run guard stops at a step)
+            stop = Interrupted("interrupted by SIGINT (Ctrl-C) before training started; no checkpoint was written")
+            record_failure(stop)
+            print(f"stopped: {stop}", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signal.SIGINT) from None
         if not (isinstance(e, SystemExit) and e.code in (0, None)):
             record_failure(e)
         raise
@@ -388,6 +419,22 @@ def _job(cfg: DictConfig) -> float | None:
             watch.job_ended()
 
 
+class Interrupted(Exception):
+    """What error.json says of a run that Ctrl-C stopped before its training loop started."""
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether ``e`` is a Ctrl-C: a ``KeyboardInterrupt``, or the ``SystemExit(1)`` Lightning raises in
+    its place after its own shutdown (``_call_and_handle_interrupt``)."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        if not isinstance(e, SystemExit) or getattr(e, "all_ranks", False):  # a guard's stop names its signal
+            return False
+        e = e.__context__
+    return False
+
+
 def _exit_watch(job: dict):
     """Rank 0's watcher (``exit_watch.py``): error.json if the kernel kills this process mid-job."""
     from lightning_par.exit_watch import ExitWatch
@@ -402,6 +449,9 @@ def _exit_watch(job: dict):
 
 def main() -> None:
     """Entry point of ``lightning-par``: check config names, add torchrun's settings, run Hydra."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # a shell starts background jobs with SIGINT ignored; `kill -INT` to this launcher still means stop
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:]
     try:
         check_group_choices(argv)

@@ -11,8 +11,8 @@ writes ``job <dir>`` when a job starts and ``end`` when it has finished -- norma
 ``error.json``. When the pipe reaches end-of-file (every way a process can end closes it) while a job
 is open, the main process died without a word: the watcher reads how it died from ``/proc/<pid>/stat``
 (``exit_code``, readable while the process is a zombie, until its parent reaps it) and writes the
-job's ``error.json``: "rank 0 (the main process, pid N) was killed by the kernel (SIGKILL: out of
-memory?)". An ``error.json`` already written (``_JobObserver``'s last resort) is kept.
+job's ``error.json``: "rank 0 (the main process, pid N) was killed (SIGKILL: out of memory, or sent
+by a person or a scheduler)". An ``error.json`` already written (``_JobObserver``'s last resort) is kept.
 
 Why our own: torchrun's elastic agent records a rank's death by signal, but only for processes it
 started; a plain ``python run.py`` (and the process the agent started, should the agent be the one
@@ -58,13 +58,13 @@ if job is not None:
         sig = status & 0x7F if status is not None else None
         who = f"rank 0 (the main process, pid {pid})"
         if sig == signal.SIGKILL:
-            error = f"{who} was killed by the kernel (SIGKILL: out of memory?)"
+            error = f"{who} was killed (SIGKILL: out of memory, or sent by a person or a scheduler)"
         elif sig:
             error = f"{who} was killed by signal {signal.Signals(sig).name}"
         elif status is not None:
             error = f"{who} exited with code {(status >> 8) & 0xFF} without recording an error"
         else:
-            error = f"{who} died without running its exit path (killed by a signal: SIGKILL by the kernel, out of memory?)"
+            error = f"{who} was killed without running its exit path (SIGKILL: out of memory, or sent by a person or a scheduler)"
         record = {"error": error, "type": "Killed", "overrides": job["overrides"], "rank": 0}
         tmp = os.path.join(job["dir"], f".error.json.{os.getpid()}")
         try:

@@ -114,6 +114,33 @@ def record_failure(exc: BaseException, output_dir: str | os.PathLike | None = No
 
 
 
+def _rank_file(output_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(output_dir) / f".rank{rank}.{ERROR_FILE}"
+
+
+def record_rank_failure(exc: BaseException, output_dir: str | os.PathLike | None) -> None:
+    """A child rank's own error, for rank 0's launcher to report (``launcher._rank_failure``): one line,
+    ``<type>: <message>``, in a hidden file of the run directory that the launcher reads and removes."""
+    if output_dir is None:
+        return
+    exc = root_error(exc)
+    try:
+        _rank_file(output_dir, global_rank()).write_text(f"{type(exc).__name__}: {one_line(exc)}")
+    except OSError:
+        pass
+
+
+def read_rank_failure(output_dir: str | os.PathLike, rank: int) -> str | None:
+    """What ``record_rank_failure`` wrote for ``rank`` (and the file removed), or None."""
+    path = _rank_file(output_dir, rank)
+    try:
+        line = path.read_text().strip()
+        path.unlink()
+    except OSError:
+        return None
+    return line or None
+
+
 def clear_failure(output_dir: str | os.PathLike) -> None:
     """Remove a stale ``error.json`` (e.g. of a torchrun attempt that died before a restart finished
     the run): called once the run has succeeded."""

@@ -18,3 +18,91 @@ class KillRankAt(L.Callback):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaiseAt(L.Callback):
+    """Fault injection: global rank ``rank`` alone raises ``ValueError`` at optimizer step ``step`` (its
+    peers go on into the next collective), after writing the wall-clock time to ``marker``."""
+
+    def __init__(self, step: int, marker: str, rank: int = 0) -> None:
+        self.step, self.marker, self.rank = step, marker, rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import time
+
+            with open(self.marker, "w") as f:
+                f.write(repr(time.time()))
+            raise ValueError(f"injected fault on rank {self.rank} at step {self.step}")
+
+
+class PauseInSetup(L.Callback):
+    """Fault injection: global rank 0 writes its pid to ``marker`` in ``setup`` (before the model is built
+    and wrapped; its peers go on to the next barrier) and sleeps ``pause_s``."""
+
+    def __init__(self, marker: str, pause_s: float = 30.0) -> None:
+        self.marker, self.pause_s = marker, pause_s
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.global_rank == 0:
+            import time
+
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(self.pause_s)
+
+
+class PauseAt(L.Callback):
+    """Fault injection: on global rank 0 at optimizer step ``step`` write ``marker`` (this pid) and pause
+    ``pause_s``, so a test can signal the run at a known point. Does nothing once the marker exists."""
+
+    def __init__(self, step: int, marker: str, pause_s: float = 5.0) -> None:
+        self.step, self.marker, self.pause_s = step, marker, pause_s
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step and not os.path.exists(self.marker):
+            import time
+
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(self.pause_s)
+
+
+class FullDiskFrom(L.Callback):
+    """Fault injection: from optimizer step ``step`` on, every file torch.distributed.checkpoint writes on
+    this rank fails with ``ENOSPC`` after ``after_bytes`` bytes, as a disk that fills during a save."""
+
+    def __init__(self, step: int, after_bytes: int = 1024) -> None:
+        self.step, self.after_bytes = step, after_bytes
+        self._patched = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if self._patched or trainer.global_step < self.step:
+            return
+        import contextlib
+        import errno
+
+        from torch.distributed.checkpoint import filesystem
+
+        original, limit = filesystem.FileSystem.create_stream, self.after_bytes
+
+        class Filling:
+            def __init__(self, stream):
+                self.stream, self.written = stream, 0
+
+            def write(self, data):
+                self.written += len(data)
+                if self.written > limit:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return self.stream.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self.stream, name)
+
+        @contextlib.contextmanager
+        def create_stream(fs, path, mode):
+            with original(fs, path, mode) as stream:
+                yield Filling(stream) if "w" in mode else stream
+
+        filesystem.FileSystem.create_stream = create_stream
+        self._patched = True

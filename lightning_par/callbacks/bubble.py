@@ -80,9 +80,15 @@ class ActivationMeter:
     """
 
     def __init__(self) -> None:
-        self.live = 0
+        self._live = 0
         self.peak = 0
         self._refs: dict[int, list[int]] = {}
+        # Each saved box is watched by a weak reference whose callback is a C function (``list.append``),
+        # not a Python finalizer: Python raises a pending Ctrl-C inside whatever Python code runs next,
+        # and inside a finalizer or weakref callback it prints "Exception ignored" and drops it (a
+        # pipeline run's Ctrl-C was lost that way). Dead boxes are counted off at the next pack or read.
+        self._boxes: dict[int, tuple[weakref.ref, int]] = {}
+        self._dead: list[weakref.ref] = []
         self._params: set[int] = set()
         self._handles: list[Any] = []
 
@@ -107,8 +113,20 @@ class ActivationMeter:
             h.remove()
         self._handles = []
 
+    @property
+    def live(self) -> int:
+        self._drain()
+        return self._live
+
     def reset_peak(self) -> None:
         self.peak = self.live
+
+    def _drain(self) -> None:
+        while self._dead:
+            ref = self._dead.pop()
+            entry = self._boxes.pop(id(ref), None)
+            if entry is not None:
+                self._release(entry[1])
 
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, nn.Parameter):
@@ -123,15 +141,17 @@ class ActivationMeter:
             return t          # weight saved by a Hugging Face norm under TP): nothing of its own to count
         if key in self._params or nbytes == 0:
             return t
+        self._drain()  # frees only lower the live bytes: counted here, where the peak can rise
         ref = self._refs.get(key)
         if ref is None:
             self._refs[key] = [1, nbytes]
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
+            self._live += nbytes
+            self.peak = max(self.peak, self._live)
         else:
             ref[0] += 1
         box = _Saved(t)
-        weakref.finalize(box, self._release, key)
+        watch = weakref.ref(box, self._dead.append)
+        self._boxes[id(watch)] = (watch, key)
         return box
 
     @staticmethod
@@ -145,7 +165,7 @@ class ActivationMeter:
         ref[0] -= 1
         if ref[0] == 0:
             del self._refs[key]
-            self.live -= ref[1]
+            self._live -= ref[1]
 
 
 # ---------------------------------------------------------------------------------------------

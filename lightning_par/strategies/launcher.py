@@ -41,9 +41,13 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-# seconds the children get to finish after rank 0's work returned, and after it failed
+# seconds the children get to finish after rank 0's work returned, after an error every rank raised
+# alike, and after rank 0 failed on its own (they wait in a collective for it: NCCL's is aborted; gloo's
+# cannot be -- torch's abort is NCCL's only, and a gloo group closes its sockets only when its last
+# reference goes, which a mesh or a strategy still holds -- so they are killed)
 _GRACE_OK_S = 120.0
 _GRACE_FAILED_S = 20.0
+_GRACE_OWN_FAILURE_S = 1.0
 # after a child died, seconds the main rank gets to notice (its collective fails) before it is
 # interrupted, and then before this process gives up on it (see _JobObserver.run)
 _NOTICE_S = 60.0
@@ -52,12 +56,15 @@ _GIVE_UP_S = 30.0
 _SETTLE_S = 3.0
 
 
-def _is_peer_failure(e: BaseException) -> bool:
+def _is_peer_failure(e: BaseException, observer_interrupted: bool = True) -> bool:
     """Whether rank 0's error is what a dead peer causes: a failed collective (gloo/NCCL report a closed
-    or reset connection as DistError or a RuntimeError naming the backend), or the observer's interrupt."""
+    or reset connection as DistError or a RuntimeError naming the backend), or the observer's interrupt
+    (a ``KeyboardInterrupt`` the observer sent; one it did not send is a person's Ctrl-C)."""
     import torch.distributed as dist
 
-    if isinstance(e, (dist.DistError, KeyboardInterrupt)):
+    if isinstance(e, KeyboardInterrupt):
+        return observer_interrupted
+    if isinstance(e, dist.DistError):
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "broken pipe"))
@@ -67,11 +74,15 @@ class RankDied(RuntimeError):
     """A child rank of this job exited abnormally."""
 
 
+#: how a SIGKILL reads: the kernel's out-of-memory killer sends it, and so do people and schedulers
+SIGKILL_LABEL = "killed (SIGKILL: out of memory, or sent by a person or a scheduler)"
+
+
 def describe_exit(code: int) -> str:
-    """A child's return code in words; SIGKILL (``-9``, or ``137`` through a shell) is what the kernel's
-    out-of-memory killer sends, so it says so instead of a bare number."""
+    """A child's return code in words; SIGKILL (``-9``, or ``137`` through a shell) says who sends it
+    instead of a bare number."""
     if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
-        return "killed by the kernel (SIGKILL: out of memory?)"
+        return SIGKILL_LABEL
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -88,6 +99,7 @@ class _JobObserver(_ChildProcessObserver):
                  output_dir: str | None = None) -> None:
         super().__init__(main_pid=os.getpid(), child_processes=child_processes, sleep_period=sleep_period)
         self.dead: tuple[int, int] | None = None  # (global rank, return code) of the first child that died
+        self.interrupted = False  # whether this observer interrupted the main thread (run)
         self.output_dir = output_dir
         self._retired = threading.Event()
 
@@ -107,6 +119,7 @@ class _JobObserver(_ChildProcessObserver):
         # blocked gets KeyboardInterrupt, delivered as soon as it runs Python code again ...
         import _thread
 
+        self.interrupted = True
         _thread.interrupt_main()
         if self._retired.wait(_GIVE_UP_S):
             return
@@ -144,7 +157,7 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             observer = _JobObserver(self.procs, output_dir=getattr(trainer, "default_root_dir", None))
             observer.start()
-        ok = shared = False
+        ok = shared = own_failure = False
         try:
             _set_num_threads_if_needed(num_processes=self.num_processes)
             result = function(*args, **kwargs)
@@ -153,12 +166,22 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             shared = bool(getattr(e, "all_ranks", False))
             # an error every rank raised at the same step (a non-finite loss, a stop on SIGTERM) is the
             # job's own; otherwise a child that died explains why rank 0's collective failed
-            if observer is not None and not getattr(e, "all_ranks", False):
-                self._settle(observer, peer_failure=_is_peer_failure(e))
+            if observer is not None and not shared:
+                if isinstance(e, KeyboardInterrupt) and not observer.interrupted:
+                    # a person's Ctrl-C before training (in training the run guard stops at a step): the
+                    # children die of it, so none is to blame; end their collectives now
+                    own_failure = True
+                    _abort_process_group()
+                    raise
+                self._settle(observer, peer_failure=_is_peer_failure(e, observer.interrupted))
                 if observer.dead is not None:
                     rank, code = observer.dead
-                    raise RankDied(f"rank {rank} died ({describe_exit(code)}); this job is failed "
-                                   f"(rank 0 saw: {type(e).__name__})") from e
+                    raise RankDied(_rank_failure(rank, code, observer.output_dir)) from e
+                # rank 0 failed on its own: the children wait in a collective for it, so they are ended
+                # now (the process group aborted, then the reap's short grace), not after the reap's
+                # usual grace period or the collective's 30-minute timeout
+                own_failure = True
+                _abort_process_group()
             raise
         finally:
             # our children (one job's ranks) end with the job; a user's script re-run by Lightning
@@ -167,10 +190,10 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             # handles as rank 0's does -- its children are left running and watched, as Lightning does
             if observer is not None and (self.child_command is not None or not (ok or shared)):
                 observer.retire()
-                self.reap(_GRACE_OK_S if ok else _GRACE_FAILED_S)
+                self.reap(_GRACE_OK_S if ok else _GRACE_OWN_FAILURE_S if own_failure else _GRACE_FAILED_S)
         if observer is not None and observer.dead is not None:  # died after rank 0 had finished its work
             rank, code = observer.dead
-            raise RankDied(f"rank {rank} died ({describe_exit(code)}) at the end of the job")
+            raise RankDied(_rank_failure(rank, code, observer.output_dir) + " at the end of the job")
         return result
 
     @staticmethod
@@ -223,9 +246,38 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             child_env = os.environ.copy()
             child_env["LOCAL_RANK"] = str(local_rank)
             child_env["RANK"] = str(env.node_rank() * self.num_processes + local_rank)  # for error.json's rank
+            # torch's C++ warnings carry a native stack of ~50 lines; a child's are of a peer gone (rank 0
+            # stopped or failed, and reports why in one line): errors only, unless the user set a level
+            child_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             self.procs.append(subprocess.Popen(self.child_command, env=child_env, cwd=self.child_cwd,
                                                preexec_fn=_die_with_parent))
         return None
+
+
+def _rank_failure(rank: int, code: int, output_dir: str | None) -> str:
+    """One line for a child rank that ended the job: how it exited and, when it recorded one, its own
+    error (``jobs.record_rank_failure``: a child prints nothing itself, so each failure reads once)."""
+    from lightning_par.jobs import read_rank_failure
+
+    own = read_rank_failure(output_dir, rank) if output_dir else None
+    if own is not None:
+        return f"rank {rank} failed ({describe_exit(code)}): {own}"
+    return f"rank {rank} died ({describe_exit(code)})"
+
+
+def _abort_process_group() -> None:
+    """Abort this process's default process group, if any (torch's ``_abort_process_group``: gloo
+    closes its sockets, NCCL aborts its communicators); peers blocked in a collective then fail."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception:  # noqa: BLE001 -- an older torch without it: the reap's grace period still ends them
+        pass
 
 
 def _die_with_parent() -> None:
