@@ -271,6 +271,7 @@ TABLE: dict[str, Spec] = {
     "model.image_size": POSITIVE,
     # --- scheduler (no _target_: optim.ScheduleConfig; conf/scheduler/*.yaml)
     "scheduler.warmup_steps": NON_NEGATIVE.note("0: no warm-up"),
+    "scheduler.warmup_ratio": FRACTION.note("warm-up share of the steps when warmup_steps is 0"),
     "scheduler.min_lr_ratio": number(0, 1).note("final LR / model.lr"),
     "scheduler.total_steps": (POSITIVE | NULL).note("null: trainer.max_steps"),
     "scheduler.base_batch_size": (POSITIVE | NULL).note("the global batch model.lr was tuned for"),
@@ -300,6 +301,7 @@ TABLE: dict[str, Spec] = {
     "callbacks.checkpoint.save_top_k": integer(-1).note("-1: keep every one"),
     "callbacks.checkpoint.save_last": BOOL | exactly("link") | NULL,
     "callbacks.checkpoint.auto_insert_metric_name": BOOL,
+    "callbacks.checkpoint.at_end": BOOL.note("also a checkpoint at the last step"),
     "callbacks.throughput.warmup_steps": NON_NEGATIVE.note("steps left out of the timing"),
     "callbacks.throughput.every_n_steps": (POSITIVE | NULL).note("null: 10"),
     "callbacks.throughput.peak_tflops": (number(0, lo_open=True) | NULL).note("null: the device table"),

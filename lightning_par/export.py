@@ -12,6 +12,9 @@ group) and appends it to the output safetensors file, so memory holds one tensor
   ``Conv1D`` weights transposed, exact GELU, untied head);
 - anything else gets its state dict as safetensors under its own names, and a one-line note.
 
+A fine-tune's export also gets the source checkpoint's ``generation_config.json`` (its generation
+defaults: the run recorded the directory), when that file is still there.
+
 Files are sharded as ``save_pretrained`` shards them (``model-0000i-of-0000n.safetensors`` + the
 index; one ``model.safetensors`` when it fits ``--max-shard-size``). Tokenizer files are copied when
 the run recorded a tokenizer or ``--tokenizer DIR`` names one. Everything is written into a
@@ -188,6 +191,8 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
     if checkpoint.is_file():
         raise ConfigError(f"export: {checkpoint} is a single-file checkpoint; export reads lightning_par's checkpoint "
                           "directories (resume the file under an lp_ strategy with callbacks.export.at_end=true)")
+    if not checkpoint.exists():
+        raise ConfigError(missing_checkpoint(checkpoint))
     check_checkpoint(checkpoint)
     if out == Path.cwd().resolve() or out in checkpoint.resolve().parents or out == checkpoint.resolve() \
             or out == Path(out.anchor):
@@ -240,6 +245,9 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
             if len(floats) == 1:  # the dtype transformers' dtype="auto" loads: the one written
                 cfg.dtype = floats.pop()
             cfg.save_pretrained(tmp)
+            source = Path(str(meta.get("pretrained_dir") or "")) / "generation_config.json"
+            if meta.get("pretrained_dir") and source.is_file():  # the fine-tuned checkpoint's generation defaults
+                shutil.copyfile(source, tmp / "generation_config.json")
         if tok is not None:
             tok.save_pretrained(str(tmp))
         if out.exists():
@@ -249,6 +257,19 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return f"exported {len(items)} tensors in {len(groups)} file(s) to {out}: {kind}"
+
+
+def missing_checkpoint(checkpoint: Path) -> str:
+    """The line for a checkpoint path that does not exist: the checkpoints its directory does hold, or,
+    when the run wrote none, how to get one."""
+    folder = checkpoint.parent
+    found = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
+    if found:
+        return f"export: checkpoint {checkpoint} does not exist; {folder} holds {', '.join(found[-5:])}"
+    return (f"export: checkpoint {checkpoint} does not exist, and {folder} holds no checkpoint. A run writes "
+            "<run dir>/checkpoints/stepNNNNNN.ckpt every callbacks.checkpoint.every_n_train_steps steps and at its "
+            "last step when checkpointing is on: a fine-tune (model.pretrained=DIR) by default, any other run "
+            "with callbacks=checkpoint; or export as training ends with callbacks.export.at_end=true")
 
 
 def _remove_dead_partials(out: Path) -> None:

@@ -9,10 +9,15 @@ choice carries over to their shards; FSDP's DTensor parameters take the same fla
 
 ``build_scheduler(optimizer, ScheduleConfig, total_steps)`` makes a per-step ``LambdaLR``:
 
-- ``constant``: the base LR (the default: runs without a scheduler group choice are unchanged);
+- ``constant``: the base LR (what the default ``scheduler=auto`` picks from scratch: runs without a
+  scheduler group choice are unchanged; for a fine-tune, ``model.pretrained`` set, it picks
+  ``warmup_linear`` over 10% of the steps, ``conf/scheduler/auto.yaml``);
 - ``warmup_cosine``: linear warm-up from 0 over ``warmup_steps``, then cosine decay to
   ``min_lr_ratio`` x base LR at ``total_steps``;
 - ``warmup_linear``: linear warm-up, then linear decay to ``min_lr_ratio`` x base LR.
+
+The warm-up is ``warmup_steps`` steps, or, when that is 0, ``ceil(warmup_ratio x total_steps)`` (kept
+below ``total_steps``), as transformers' ``TrainingArguments`` counts it.
 
 ``scaled_lr(lr, global_batch, rule, base_batch)`` is the batch-size rule: ``linear`` (Goyal et al.
 2017: lr x B / B0) or ``sqrt`` (lr x sqrt(B / B0), the rule for Adam-style optimizers in Malladi et
@@ -21,6 +26,7 @@ al. 2022); ``none`` leaves the LR alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,6 +62,8 @@ class ScheduleConfig:
 
     name: str = "constant"
     warmup_steps: int = 0
+    #: the warm-up as a share of ``total_steps``, used when ``warmup_steps`` is 0
+    warmup_ratio: float = 0.0
     min_lr_ratio: float = 0.0
     #: optimizer steps the decay spans; None: the trainer's estimate of the run's steps
     total_steps: int | None = None
@@ -74,6 +82,15 @@ class ScheduleConfig:
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"scheduler: warmup_steps={self.warmup_steps} must be >= 0 and "
                               f"min_lr_ratio={self.min_lr_ratio} in [0, 1]")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"scheduler: warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: ``warmup_steps``, else the ``warmup_ratio`` share
+        (rounded up, at most ``total_steps - 1``)."""
+        if self.warmup_steps or not self.warmup_ratio:
+            return self.warmup_steps
+        return max(0, min(math.ceil(self.warmup_ratio * total_steps), total_steps - 1))
 
 
 def require_torchao() -> None:
@@ -122,14 +139,23 @@ def _adamw8bit_class() -> type:
     arithmetic on this rank's tensors (no collective), so it runs with those modes suspended (the
     closure, Lightning's forward and backward, still runs under them);
     torch offers no public API for that, hence the private ``_disable_current_modes``.
+
+    Fake tensors (``FakeTensorMode``: the memory trace, ``costs/traced.py``) are refused: the compiled
+    kernel is native code reading the tensors' data pointers, which fake tensors lack -- it segfaulted
+    (issue 34) where it now raises. The trace runs ``costs.traced.AdamW8bitBytes`` in its place.
     """
     global _ADAMW8BIT
     if _ADAMW8BIT is None:
+        from torch._subclasses.fake_tensor import is_fake
         from torch.utils._python_dispatch import _disable_current_modes
         from torchao.optim import AdamW8bit
 
         class LPAdamW8bit(AdamW8bit):
             def step(self, closure=None):  # noqa: ANN001, D102
+                first = next((p for group in self.param_groups for p in group["params"]), None)
+                if first is not None and is_fake(first):  # a fake step's parameters are all fake: one suffices
+                    raise RuntimeError("AdamW8bit's step runs compiled native kernels, which cannot run on fake "
+                                       "tensors; a memory trace runs lightning_par.costs.traced.AdamW8bitBytes")
                 loss = None
                 if closure is not None:  # Lightning's forward/backward: under the modes, as usual
                     with torch.enable_grad():
@@ -163,6 +189,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig,
     """A per-step ``LambdaLR`` for ``cfg``; None for ``constant`` (nothing to step)."""
     if cfg.name == "constant":
         return None
+    if total_steps is not None and total_steps > 0:
+        cfg = dataclasses.replace(cfg, warmup_steps=cfg.warmup_for(total_steps), warmup_ratio=0.0)
     if total_steps is None or total_steps <= cfg.warmup_steps:
         raise ConfigError(f"scheduler {cfg.name}: total_steps={total_steps} must exceed "
                           f"warmup_steps={cfg.warmup_steps} (set trainer.max_steps or scheduler.total_steps)")

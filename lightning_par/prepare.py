@@ -2,7 +2,7 @@
 
 Inputs (files, globs or directories, read in sorted order): ``.txt`` (a file is one document),
 ``.jsonl`` (one JSON object per line, the document in its ``--field``, default ``text``), ``.parquet``
-(the ``--field`` column; needs pyarrow: ``pip install lightning_par[data]``) and directories written by
+(the ``--field`` column; needs pyarrow: ``pip install 'lightning_par[data]'``) and directories written by
 ``datasets``' ``save_to_disk`` (``--split`` picks a split of a DatasetDict). A plain directory stands for
 the ``.txt``/``.jsonl``/``.parquet`` files under it.
 
@@ -272,9 +272,9 @@ def prepare(inputs: list[str], tokenizer_dir: str, out: str, workers: int = 1, f
                 n_tokens, n_docs, n_bytes, done = n_tokens + len(arr), n_docs + docs, n_bytes + nbytes, done + task.size
                 if progress and (time.perf_counter() - shown > 0.2 or done == total):
                     shown = time.perf_counter()
-                    rate = n_bytes / 1e6 / (time.perf_counter() - t0)
-                    print(f"\rprepare: {100 * done / max(total, 1):3.0f}%  {n_bytes / 1e6:,.1f} MB of text  "
-                          f"{rate:.1f} MB/s", end="", file=sys.stderr, flush=True)
+                    rate = n_bytes / (time.perf_counter() - t0)
+                    print(f"\rprepare: {100 * done / max(total, 1):3.0f}%  {amount(n_bytes)} of text  "
+                          f"{amount(rate)}/s", end="", file=sys.stderr, flush=True)
             if progress:
                 print(file=sys.stderr)
             if n_bytes == 0:
@@ -383,6 +383,14 @@ def _results(tasks: list[Task], workers: int, initargs: tuple, context: Any = No
     pool.shutdown(wait=True)
 
 
+def amount(n_bytes: float) -> str:
+    """Bytes in the unit that shows them: ``512 B``, ``18.4 KB``, ``3.2 MB``, ``1.1 GB`` (decimal units)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:,.1f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lightning-par-prepare", description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="+", help=".txt / .jsonl / .parquet files, globs, directories, datasets dirs")
@@ -411,10 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 -- a dead worker, a full disk: nothing was left behind
         print(f"error: prepare failed, nothing written to {a.out}: {type(e).__name__}: {e}", file=sys.stderr)
         return _exit_now_if_abandoned(1)
-    mb = meta["text_bytes"] / 1e6
     print(f"wrote {a.out}: {meta['n_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, eos "
-          f"{meta['eos_id']}) from {meta['n_documents']:,} documents; {mb:.1f} MB of text in "
-          f"{meta['seconds']:.2f} s = {mb / meta['seconds']:.1f} MB/s with {a.workers} workers")
+          f"{meta['eos_id']}) from {meta['n_documents']:,} documents; {amount(meta['text_bytes'])} of text in "
+          f"{meta['seconds']:.2f} s = {amount(meta['text_bytes'] / meta['seconds'])}/s with {a.workers} workers")
     return 0
 
 

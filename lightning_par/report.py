@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 SUMMARY_FILE = "summary.json"
 ERROR_FILE = "error.json"
 MEMORY_CATEGORIES = ("params", "grads", "optimizer_state")
@@ -537,6 +539,19 @@ def draw_plots(runs: Sequence[Run], out: Path) -> tuple[dict[str, str], list[str
         if name:
             images[title] = name
     return images, problems
+
+
+class SweepDirectory(Callback):
+    """A Hydra callback (``conf/config.yaml``'s ``hydra.callbacks.sweep_dir``): at the end of a multirun, the
+    sweep's directory -- what ``lightning-par-report`` reads -- printed as its last line. (A sweep with a
+    failed job ends in Hydra's error instead, which names the job's error.json.)"""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+        if sweep_dir:
+            print(f"sweep directory: {sweep_dir}  (lightning-par-report {sweep_dir}: its table and plots)", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

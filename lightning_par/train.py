@@ -88,6 +88,9 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
         raise ConfigError(f"model {type(model).__name__} takes {model_kind} but data {type(datamodule).__name__} "
                           f"gives {data_kind}; pick a matching data= (or use an experiment= preset)")
     check_vocabulary(model, datamodule)
+    check_splits = getattr(datamodule, "check_splits", None)  # a split that cannot fill one global batch
+    if callable(check_splits):
+        check_splits(validates(cfg))
     validate_strategy = getattr(strategy, "validate_setup", None)
     if callable(validate_strategy):
         try:
@@ -127,6 +130,21 @@ def _restored_process_env() -> Iterator[None]:
             else:
                 os.environ[k] = v
         torch.set_num_threads(threads)
+
+
+def validates(cfg: DictConfig) -> bool:
+    """Whether the run will run a validation pass (so needs its validation split): not with
+    ``trainer.limit_val_batches=0``, nor when validation is every ``val_check_interval`` training batches
+    counted over the run (``check_val_every_n_epoch: null``, the app's default) and the run is shorter;
+    else (epoch-based, a fraction of an epoch, no step limit) it may: True."""
+    t = cfg.trainer
+    if t.get("limit_val_batches", 1.0) in (0, 0.0):
+        return False
+    interval, max_steps = t.get("val_check_interval", 1.0), t.get("max_steps", -1)
+    if isinstance(interval, int) and t.get("check_val_every_n_epoch", 1) is None and isinstance(max_steps, int) \
+            and max_steps > 0:
+        return max_steps * int(t.get("accumulate_grad_batches", 1) or 1) >= interval
+    return True
 
 
 def check_vocabulary(model: Any, datamodule: Any) -> None:
@@ -169,7 +187,14 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     apply_schedule(model, cfg.get("scheduler"), cfg.data.get("global_batch_size"))  # LR schedule, scaling
     set_tiling(strategy, tiling, model)  # checked against the meta model, before any process starts
-    return dict(strategy=strategy, model=model, datamodule=datamodule, callbacks=callbacks, logger=logger)
+    from lightning_par.callbacks.checkpoint import checkpointing
+
+    # trainer.enable_checkpointing null (the default): checkpoints for a fine-tune only (callbacks/checkpoint.py)
+    callbacks, enable_checkpointing = checkpointing(
+        callbacks, finetune=bool(OmegaConf.select(cfg, "model.pretrained", default=None)),
+        setting=cfg.trainer.get("enable_checkpointing"))
+    return dict(strategy=strategy, model=model, datamodule=datamodule, callbacks=callbacks, logger=logger,
+                enable_checkpointing=enable_checkpointing)
 
 
 def set_compile(strategy: Any, option: Any) -> None:
@@ -196,7 +221,8 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
     # lightning_par's data modules split the data along the strategy's data-parallel axis themselves;
     # a user's DataModule gets Lightning's distributed sampler (the strategy gives the dp rank and size),
     # never the same batches on every rank
-    trainer_kwargs: dict[str, Any] = {"use_distributed_sampler": not isinstance(parts["datamodule"], ParDataModule)}
+    trainer_kwargs: dict[str, Any] = {"use_distributed_sampler": not isinstance(parts["datamodule"], ParDataModule),
+                                      "enable_checkpointing": parts["enable_checkpointing"]}
     if world == 1:
         trainer_kwargs.update(devices=1, num_nodes=1)
     elif torchrun_world() is not None:

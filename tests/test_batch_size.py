@@ -75,3 +75,4 @@ def test_zero3_picks_the_largest_size_under_the_cap(tmp_path):
     assert f"trainer.accumulate_grad_batches={k}" in proc.stdout and "strategy=zero3" in result["command"]
     # the printed command trains at the global batch it was found for (it used to drop it: micro-batch 1)
     assert "data.global_batch_size=8" in result["command"].split() and result["command"] in proc.stdout
+    assert result["command"].startswith("lightning-par ")  # the installed command, not python run.py

@@ -120,6 +120,23 @@ def test_the_monitor_reports_the_count_and_no_note(checkpoints) -> None:
     assert "mfu_note" not in monitor.summary()
 
 
+def test_a_users_moe_measured_on_a_step_is_left_uncounted_with_a_note(checkpoints) -> None:
+    """A module of the user's own (no meta-copy protocol) is measured on a real step with torch's
+    FlopCounterMode, which has no formula for transformers' grouped experts: not counted, a note says why."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = checkpoints["mixtral"]
+    holder = nn.Module()
+    holder.lm = AutoModelForCausalLM.from_pretrained(path)
+    monitor = ThroughputMonitor(peak_tflops=100.0)
+    monitor.on_train_start(SimpleNamespace(datamodule=SimpleNamespace(global_batch_size=BATCH), global_step=0,
+                                           callbacks=[]), holder)
+    assert monitor.flops_per_step is None and not monitor._measure_pending
+    note = monitor.flops_note
+    assert note.startswith("FLOPs not counted: Module routes tokens through transformers' experts ") and \
+        "grouped matmuls" in note and "\n" not in note, note
+
+
 class _Holder:
     """A LightningModule's side of the count: a meta copy and an example batch."""
 

@@ -1,73 +1,71 @@
 """The README's recipes run as written (issue 20, part 4), scaled down to CPU and 2 or 4 ranks.
 
-The test makes the assets a user would bring, offline: a BPE tokenizer trained here with the
-``tokenizers`` library on local text, a tiny Llama and a tiny GPT-2 saved with ``save_pretrained``
-together with that tokenizer (as a model directory usually holds both), and a jsonl corpus. Then
-every command of each ```bash block of the README's "Recipes" section runs in that directory, in
-order, exactly as written; each must exit 0, and the exported models must load in transformers.
+The test makes the assets a user would bring, offline, as the README says to make them
+(``lightning_par.tools.tiny_checkpoint``): a BPE tokenizer trained with the ``tokenizers`` library on
+local text, a tiny Llama and a tiny GPT-2 saved with ``save_pretrained`` together with that tokenizer (as
+a model directory usually holds both), and a jsonl corpus. Then every command of each ```bash block of
+the README's "Recipes" section runs in that directory, in order, exactly as written; each must exit 0,
+and the exported models must load in transformers.
+
+The README's "Fine-tune a pretrained checkpoint" section's first block runs the same way from an empty
+directory: it makes its own tiny checkpoint, fine-tunes it, exports it, loads it (issue 34).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ASSETS = textwrap.dedent('''
-    import json, random, sys, torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-    out = sys.argv[1]
-    rng = random.Random(0)
-    words = ["data", "parallel", "shard", "gradient", "rank", "pipeline", "tensor", "expert", "model", "step",
-             "loss", "memory", "token", "layer", "the", "a", "of", "and", "to", "is"]
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "." for _ in range(400)]
-    with open(f"{out}/corpus.jsonl", "w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\\n")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    # a Llama (untied, grouped-query attention) and a GPT-2 (tied embeddings, fused Conv1D c_attn, learned
-    # positions: transformers declares neither a tensor-parallel nor a pipeline plan for it)
-    extra = {"llama": dict(num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False),
-             "gpt2": dict(n_inner=128, tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
-    for name, arch in (("llama", "llama"), ("gpt2", "gpt2")):
-        torch.manual_seed(0)
-        AutoConfig.for_model(arch).save_pretrained(f"{out}/{name}")
-        fast.save_pretrained(f"{out}/{name}")
-        tok = AutoTokenizer.from_pretrained(f"{out}/{name}")  # as the model type's class loads it
-        cfg = AutoConfig.for_model(arch, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                                   vocab_size=-(-len(tok) // 64) * 64,  # padded, as real checkpoints are (tp divides it)
-                                   max_position_embeddings=128, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id, **extra[name])
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(f"{out}/{name}")
-''')
+# what the README's commands make: python -m lightning_par.tools.tiny_checkpoint llama --corpus corpus.jsonl,
+# and ... gpt2 --arch gpt2
+ASSETS = ("import sys; from lightning_par.tools.tiny_checkpoint import tiny_checkpoint as make; out = sys.argv[1]; "
+          "make(f'{out}/llama', 'llama', corpus=f'{out}/corpus.jsonl'); make(f'{out}/gpt2', 'gpt2')")
 
 
-def recipes() -> list[str]:
-    """The commands of the README's Recipes section, in order (continuation lines joined)."""
+def bash_blocks(heading: str) -> list[list[str]]:
+    """The commands of each ```bash block of the README section under ``heading`` (continuation lines
+    joined, comments dropped)."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Recipes", 1)[1].split("\n## ", 1)[0]
-    commands = []
+    section = text.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
+    blocks = []
     for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        commands = []
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #", 1)[0].strip()
             if line and not line.startswith("#"):
                 commands.append(line)
-    return commands
+        blocks.append(commands)
+    return blocks
+
+
+def recipes() -> list[str]:
+    """The commands of the README's Recipes section, in order."""
+    return [c for block in bash_blocks("Recipes") for c in block]
+
+
+def run_as_written(commands: list[str], cwd: Path, env: dict[str, str]) -> None:
+    for command in commands:
+        args = shlex.split(command)
+        if args[0] == "python":
+            args[0] = sys.executable
+        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+def user_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the venv's console scripts
+    return env
 
 
 def test_the_recipes_section_holds_both_recipes() -> None:
@@ -80,17 +78,11 @@ def test_the_recipes_section_holds_both_recipes() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_readme_recipes_run_as_written(tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the venv's console scripts
+    env = user_env()
     done = subprocess.run([sys.executable, "-c", ASSETS, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    for command in recipes():
-        args = shlex.split(command)
-        if args[0] == "python":
-            args[0] = sys.executable
-        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    run_as_written(recipes(), tmp_path, env)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     for exported in ("finetune/hf", "gpt2-continued"):
@@ -99,6 +91,39 @@ def test_readme_recipes_run_as_written(tmp_path: Path) -> None:
         assert len(tokenizer) <= model.config.vocab_size < len(tokenizer) + 64
     summary = json.loads((tmp_path / "finetune" / "summary.json").read_text())
     assert summary["losses"][-1] < summary["losses"][0], summary["losses"]
+
+
+def test_the_fine_tune_section_starts_from_nothing() -> None:
+    (first, *_) = bash_blocks("Fine-tune a pretrained checkpoint")
+    assert first[0].startswith("python -m lightning_par.tools.tiny_checkpoint "), first
+    assert any("model.pretrained=" in c for c in first) and any(c.startswith("lightning-par-export ") for c in first)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_readme_fine_tune_section_runs_as_written(tmp_path: Path) -> None:
+    """From an empty directory: the tiny checkpoint made as the README shows, the fine-tune under fsdp on 2
+    ranks, the export of its checkpoint (which a fine-tune writes by default), transformers loading it. And
+    what a fine-tune gets by default: an LR warmed up to 5e-5 and decayed, checkpoints, the source's
+    generation config in the export, the source named in summary.json."""
+    (commands, *_) = bash_blocks("Fine-tune a pretrained checkpoint")
+    run_as_written(commands, tmp_path, user_env())
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "tiny-llama"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "my-model")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 320
+    assert json.loads((tmp_path / "my-model" / "generation_config.json").read_text()) == \
+        json.loads((source / "generation_config.json").read_text())
+    run = tmp_path / "finetune"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["pretrained"] == str(source) and summary["steps"] == 50
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step000050.ckpt"]  # the last step's
+    with open(run / "csv" / "metrics.csv") as f:
+        lrs = [float(r["train/lr"]) for r in csv.DictReader(f) if r.get("train/lr")]
+    # logged every 10 steps (steps 9, 19, ...): past a 5-step warm-up, decaying linearly from 5e-5 towards 0
+    assert len(lrs) == 5 and lrs[0] == pytest.approx(5e-5 * (1 - 4 / 45), rel=1e-4), lrs
+    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 2e-6, lrs
 
 
 @pytest.mark.slow

@@ -170,10 +170,12 @@ def test_bubble_keys_read_defensively():
 def test_report_of_real_compare_dp_sweep(tmp_path):
     """The compare_dp preset at one world size (2 jobs: single, ddp) on the tiny GPT, then the report."""
     sweep = tmp_path / "sweep"
-    run_cli(["-m", "experiment=compare_dp", "hydra.sweeper.params.strategy='single,ddp'", "model=gpt_tiny",
-             "data.seq_len=64", "data.max_bytes=400000",
-             "data.global_batch_size=8", "trainer.max_steps=12", "trainer.devices=2", f"hydra.sweep.dir={sweep}"],
-            sweep, timeout=400)
+    done = run_cli(["-m", "experiment=compare_dp", "hydra.sweeper.params.strategy='single,ddp'", "model=gpt_tiny",
+                    "data.seq_len=64", "data.max_bytes=400000", "data.global_batch_size=8", "trainer.max_steps=12",
+                    "trainer.devices=2", f"hydra.sweep.dir={sweep}"], sweep, timeout=400)
+    # the sweep ends by naming its directory, what the report reads (issue 34: it never said where it was)
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"sweep directory: {sweep}  (lightning-par-report {sweep}"), done.stdout[-1000:]
     summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in ("0", "1")]
     assert [(s["strategy"], s["world_size"]) for s in summaries] == [("single", 1), ("ddp", 2)]
     assert_losses_match(summaries[1], summaries[0])

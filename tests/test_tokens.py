@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def test_prepare_round_trips(kind, tok_dir, hf_tok, tmp_path, capsys):
     capsys.readouterr()  # datasets' own progress bar while saving
     out = tmp_path / "out.bin"
     rc, stdout, err = run(capsys, src, "--tokenizer", tok_dir, "--out", out, "--workers", 1, "--field", "body")
-    assert rc == 0 and err == "" and "MB/s" in stdout, err
+    assert rc == 0 and err == "" and re.search(r" of text in [\d.]+ s = [\d.,]+ [KMG]?B/s", stdout), (stdout, err)
+    assert " 0.0 MB" not in stdout, stdout  # a small corpus in a unit that shows it (was "0.0 MB of text")
     tokens, eos = read_tokens(out), hf_tok.eos_token_id
     assert tokens.dtype == np.uint16 and (tokens == eos).sum() == len(docs) and tokens[-1] == eos
     pieces = np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]
@@ -225,6 +227,55 @@ def test_bad_token_files_are_one_line_naming_the_path(case, tmp_path):
     with pytest.raises(ConfigError) as info:
         TokenFileDataModule(pattern, seq_len=32)  # at construction: before any process starts
     assert words in str(info.value) and pattern.split("*")[0] in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_split_that_cannot_fill_a_global_batch_is_one_line_naming_it(tmp_path):
+    """``check_splits`` (called by the app's checks before launch): the training split against one global
+    batch, and the validation split only when the run validates (``train.validates``)."""
+    from tests.helpers import composed
+    from lightning_par.train import validates
+
+    write_tokens(tmp_path / "c.bin", np.arange(16 * 200 + 1, dtype=np.uint16) % 1000)  # 200 windows of 16
+    dm = TokenFileDataModule(str(tmp_path / "c.bin"), seq_len=16, val_fraction=0.05, global_batch_size=16)
+    assert dm.split_sizes() == (190, 10)
+    dm.check_splits(validating=False)  # 190 training samples fill a batch of 16; validation not asked for
+    with pytest.raises(ConfigError) as info:
+        dm.check_splits(validating=True)
+    line = str(info.value)
+    assert line.startswith(f"the validation split of token corpus {tmp_path / 'c.bin'} (data.val_fraction=0.05 of "
+                           "its 200 windows of data.seq_len+1=17 tokens) has 10 samples, fewer than one global batch "
+                           "of 16: ") and "trainer.limit_val_batches=0" in line and "\n" not in line, line
+    big = TokenFileDataModule(str(tmp_path / "c.bin"), seq_len=16, val_fraction=0.05, global_batch_size=256)
+    with pytest.raises(ConfigError, match=r"^the training split of token corpus .* has 190 samples \(windows of "
+                                          r"data.seq_len\+1=17 tokens\), fewer than one global batch of 256: "):
+        big.check_splits(validating=False)
+    # whether the run validates, from the trainer's settings (the app's default: every 100 batches of the run)
+    assert validates(composed("trainer.max_steps=300"))
+    assert not validates(composed("trainer.max_steps=99"))
+    assert not validates(composed("trainer.max_steps=49", "trainer.accumulate_grad_batches=2"))  # 98 batches
+    assert validates(composed("trainer.max_steps=50", "trainer.accumulate_grad_batches=2"))  # the 100th batch
+    assert not validates(composed("trainer.limit_val_batches=0"))
+    assert validates(composed("trainer.max_steps=-1", "trainer.max_epochs=1"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_corpus_too_small_for_its_validation_split_stops_before_launch(tmp_path):
+    """2 ranks requested; the validation split (10 windows) cannot fill the global batch of 16: one line,
+    printed once, exit 2, and no rank started (it used to stop after both ranks were up, each printing
+    "10 samples cannot fill one global batch of 16", not saying which split)."""
+    from tests.helpers import run_cli
+
+    write_tokens(tmp_path / "c.bin", np.arange(16 * 200 + 1, dtype=np.uint16) % 256, vocab=256)
+    proc = run_cli(["model=gpt_tiny", "data=tokens", f"data.path={tmp_path / 'c.bin'}", "data.seq_len=16",
+                    "strategy=ddp", "trainer.devices=2", "trainer.max_steps=300", "trainer.enable_progress_bar=false"],
+                   tmp_path / "run", timeout=100, check=False)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: the validation split of token corpus {tmp_path / 'c.bin'} "), lines[0]
+    assert "has 10 samples, fewer than one global batch of 16" in lines[0], lines[0]
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # before launch
+    assert not (tmp_path / "run" / "summary.json").exists()
 
 
 def test_bad_prepare_input_is_one_line_and_exit_2(tok_dir, tmp_path, capsys):

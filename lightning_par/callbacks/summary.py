@@ -20,7 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_par.callbacks.throughput import global_batch_of
+from lightning_par.callbacks.throughput import class_name, global_batch_of
 
 
 CONTRACT_KEYS = ("strategy", "world_size", "mesh", "model", "n_params", "precision", "global_batch_size", "steps",
@@ -157,7 +157,7 @@ class RunSummary(L.Callback):
             "strategy": self.strategy_name or type(strategy).__name__,
             "world_size": trainer.world_size,
             "mesh": dict(mesh),
-            "model": self.model_name or type(pl_module).__name__,
+            "model": self.model_name or class_name(pl_module),
             "n_params": int(facts.get("n_params", self.n_params)),
             "units_rule": facts.get("units_rule"),
             "compile": compile_facts(facts.get("compiled_modules")),
@@ -172,6 +172,9 @@ class RunSummary(L.Callback):
             **parts,
             **self.extra,
         }
+        pretrained = getattr(pl_module, "pretrained", None)
+        if isinstance(pretrained, (str, os.PathLike)) and pretrained:  # a fine-tune: the checkpoint it started from
+            self.summary["pretrained"] = os.path.abspath(pretrained)
         if trainer.is_global_zero:
             out = self.output_dir or trainer.default_root_dir
             os.makedirs(out, exist_ok=True)

@@ -213,14 +213,26 @@ def trace_model(make: Any, micro_batch: int, *, precision: str = "32-true", targ
                    micro_batch=micro_batch)
 
 
+def _default_target(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """The loss's target for a batch ``x`` when none is given: a class index per sample for a classifier
+    (``input_kind`` vectors or images), else the input itself (tokens: next-token prediction)."""
+    from lightning_par.parallel.contract import input_kind_of
+
+    if input_kind_of(module) in ("vectors", "images"):
+        return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    return x
+
+
 def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq_len: int | None = None,
                target: Any = None, fake: bool = True) -> TracedStep:
     """Trace one training step of ``module`` (a LightningModule with lightning_par's model contract:
     ``configure_model``, ``example_input(batch, device)``, ``loss_fn(output, target)`` and
     ``configure_optimizers``) at ``micro_batch`` samples. ``target``: a function of the input giving
-    the loss's target (default: the input itself, next-token style, for token models; zeros of the
-    output's batch for others is the module's business). ``fake=False``: on real CPU tensors (the
-    reference, and ``trace_model``'s fallback). Raises ValueError when the module lacks the contract."""
+    the loss's target; without one, a classifier (``input_kind`` vectors or images: the MLP, the CNN)
+    gets one class per sample, as its data gives it (the input itself is no class: the loss refused its
+    shapes, so such a model was never traced), any other module the input itself (next-token style).
+    ``fake=False``: on real CPU tensors (the reference, and ``trace_model``'s fallback). Raises
+    ValueError when the module lacks the contract."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -241,7 +253,7 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
         if pr.param != torch.float32:  # bf16-true / 16-true: the module itself in that dtype
             module.to(pr.param)
         x = example(micro_batch, "cpu")
-        y = target(x) if target is not None else x
+        y = target(x) if target is not None else _default_target(module, x)
         optimizers = module.configure_optimizers()
     opt = measurable_optimizer(optimizers["optimizer"] if isinstance(optimizers, dict) else (
         optimizers[0] if isinstance(optimizers, (list, tuple)) else optimizers))

@@ -80,6 +80,34 @@ class ParDataModule(L.LightningDataModule):
     def _build(self) -> tuple[Dataset, Dataset]:
         raise NotImplementedError
 
+    def split_sizes(self) -> tuple[int, int] | None:
+        """(training samples, validation samples), when known before any process starts without reading
+        the data (token files: from their headers); None: known only once ``setup`` has built the sets."""
+        return None
+
+    def describe(self) -> str:
+        """The data's name in a message (a token corpus names its path)."""
+        return type(self).__name__
+
+    def check_splits(self, validating: bool) -> None:
+        """One ``ConfigError`` line naming the split, before any process starts, when the training split --
+        or, if the run validates, the validation split -- cannot fill one global batch (each loader yields
+        whole global batches only; found after launch, every rank would print the same error)."""
+        sizes = self.split_sizes()
+        if sizes is None:
+            return
+        g = int(self.global_batch_size)
+        for split, n, validates in (("training", sizes[0], True), ("validation", sizes[1], validating)):
+            if validates and n < g:
+                raise ConfigError(self.split_too_small(split, n, g))
+
+    def split_too_small(self, split: str, n: int, global_batch: int) -> str:
+        fix = ("lower data.global_batch_size or add data" if split == "training" else
+               "lower data.global_batch_size, raise data.val_fraction, add data, or validate less "
+               "(trainer.limit_val_batches=0: no validation)")
+        return (f"the {split} split of {self.describe()} has {n} samples, fewer than one global batch of "
+                f"{global_batch}: {fix}")
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             self.train_set, self.val_set = self._build()

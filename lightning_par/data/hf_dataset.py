@@ -55,7 +55,7 @@ class HFDatasetModule(ParDataModule):
         try:
             import datasets
         except ImportError:
-            raise ConfigError("data=hf_dataset needs the datasets package: pip install lightning_par[data]") from None
+            raise ConfigError("data=hf_dataset needs the datasets package: pip install 'lightning_par[data]'") from None
         if not os.path.isdir(self.path):
             raise ConfigError(f"data.path: {self.path} is not a directory written by save_to_disk")
         try:
@@ -100,7 +100,7 @@ def _load_tokenizer(directory: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ConfigError("data=hf_dataset needs transformers: pip install lightning_par[hf]") from None
+        raise ConfigError("data=hf_dataset needs transformers: pip install 'lightning_par[hf]'") from None
     try:
         return AutoTokenizer.from_pretrained(os.path.expanduser(directory), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises several types for a bad directory

@@ -13,7 +13,9 @@ wasted). Window ``i`` is tokens ``[i * seq_len, (i + 1) * seq_len + 1)``: inputs
 ``[1:]`` -- the inputs never overlap and every token but the first is a target exactly once (the
 convention of ``TextDataModule``'s windows and Megatron's). The last ``val_fraction`` of the windows
 is validation. Every mistake (no file matches, a bad header, a truncated body, an empty corpus, a
-corpus shorter than one sample) is one ``ConfigError`` line naming the path, raised at construction.
+corpus shorter than one sample) is one ``ConfigError`` line naming the path, raised at construction; a
+training split -- or, when the run validates, a validation split -- smaller than one global batch is one
+line naming the split, from the app's checks before launch (``check_splits``, called by ``train.validate``).
 """
 
 from __future__ import annotations
@@ -124,6 +126,25 @@ class TokenFileDataModule(ParDataModule):
         self.eos_id: int | None = meta.get("eos_id")
         #: the tokenizer prepare used (from the sidecar; None: unknown), named by the app's vocabulary check
         self.tokenizer_dir: str | None = meta.get("tokenizer")
+
+    def split_sizes(self) -> tuple[int, int]:
+        return self.n_windows - self.n_val, self.n_val
+
+    def describe(self) -> str:
+        where = self.files[0].path if len(self.files) == 1 else f"{len(self.files)} files matching {self.path!r}"
+        return f"token corpus {where}"
+
+    def split_too_small(self, split: str, n: int, global_batch: int) -> str:
+        """Names the split, what a sample is, and the setting that sized the split."""
+        sample = f"windows of data.seq_len+1={self.seq_len + 1} tokens"
+        if split == "validation":
+            share = (f"data.val_fraction={self.val_fraction} of its {self.n_windows} {sample}" if self.val_fraction
+                     else "data.val_fraction=0: empty")
+            return (f"the validation split of {self.describe()} ({share}) has {n} samples, fewer than one global "
+                    f"batch of {global_batch}: raise data.val_fraction, lower data.global_batch_size, add data, or "
+                    "set trainer.limit_val_batches=0 (no validation)")
+        return (f"the training split of {self.describe()} has {n} samples ({sample}), fewer than one global batch "
+                f"of {global_batch}: lower data.global_batch_size or data.seq_len, or add data")
 
     def _build(self) -> tuple[Dataset, Dataset]:
         n_train = self.n_windows - self.n_val

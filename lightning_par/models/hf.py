@@ -19,6 +19,7 @@ SDPA by default; ``attn_implementation=eager`` (Gemma-2 supports only eager) com
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ImportError("HFCausalLM needs transformers: pip install lightning_par[hf]") from None
+        raise ImportError("HFCausalLM needs transformers: pip install 'lightning_par[hf]'") from None
     return transformers
 
 
@@ -205,6 +206,12 @@ class HFCausalLM(ParModule):
 
     def state_dict_keys(self) -> list[str]:
         return list(self._model().state_dict())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The fine-tuned checkpoint's directory rides in the checkpoint (absolute): ``lightning-par-export``
+        copies its ``generation_config.json`` (the source's generation defaults) into the export."""
+        if self.pretrained:
+            checkpoint["pretrained_dir"] = os.path.abspath(self.pretrained)
 
 
 class LogitsOnly(nn.Module):

@@ -38,7 +38,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ImportError("pretrained models need transformers: pip install lightning_par[hf]") from None
+        raise ImportError("pretrained models need transformers: pip install 'lightning_par[hf]'") from None
     return transformers
 
 

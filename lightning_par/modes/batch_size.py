@@ -126,7 +126,8 @@ def run_try(overrides: list[str], micro: int, dp: int, steps: int, out_dir: str,
     run_dir = os.path.join(out_dir, "tries", f"micro_{micro}")
     cmd = [sys.executable, "-m", "lightning_par", *overrides, "mode=train", f"hydra.run.dir={run_dir}",
            f"data.global_batch_size={micro * dp}", "trainer.accumulate_grad_batches=1",
-           f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false"]
+           f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+           "trainer.enable_checkpointing=false"]  # a try's weights are not worth a checkpoint (a fine-tune's default)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -155,7 +156,7 @@ def _error_line(run_dir: str, stderr: str) -> str:
 
 
 def find_batch_size(cfg: DictConfig) -> dict[str, Any]:
-    """``python run.py mode=find_batch_size ...``: search, print the command, write summary.json."""
+    """``lightning-par mode=find_batch_size ...``: search, print the command, write summary.json."""
     import torch
     from hydra.core.hydra_config import HydraConfig
 
@@ -198,7 +199,7 @@ def find_batch_size(cfg: DictConfig) -> dict[str, Any]:
     accumulate, micro = accumulation_for(global_batch, dp, best)
     # the global batch is the run's own (dropped from the tries' overrides, which set their own): said
     # explicitly, so the command trains at dp x micro x accumulate sequences per step
-    command = " ".join(["python run.py", *overrides, f"data.global_batch_size={global_batch}",
+    command = " ".join(["lightning-par", *overrides, f"data.global_batch_size={global_batch}",
                         f"trainer.accumulate_grad_batches={accumulate}"])
     result = {"strategy": strategy_name, "world_size": world, "dp": dp, "max_memory_bytes": cap,
               "measure": "peak_allocated" if on_cuda else "peak_rss", "seed": seed,

@@ -1,0 +1,1 @@
+"""Small commands beside the app (``python -m lightning_par.tools.<name>``)."""
