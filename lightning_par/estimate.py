@@ -321,23 +321,18 @@ def _hf_preset_shape(name: str, seq_len: int | None) -> Shape:
 
 
 def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int], accumulate: int = 1) -> Layout:
-    """The ``Layout`` of a built strategy on its mesh (its options: offload, prefetch, schedule, ...);
-    ``accumulate``: micro-batches per step (FSDP's ``grad_sync=last_micro_batch`` then holds full gradients)."""
+    """The ``Layout`` of a built strategy on its mesh: its catalogue entry's, with what the strategy states
+    about itself (``strategy.cost_options()``: offload, prefetch, schedule, ...); ``accumulate``:
+    micro-batches per step (FSDP's ``grad_sync=last_micro_batch`` then holds full gradients)."""
     e = entry(name)
+    o = strategy.cost_options()
+    fsdp_data = e.sharding_for(o.data_parallel or e.defaults().get("data_parallel")).grads == "fsdp"
     base = e.cost_layout(dims.world_size, tp=dims.tp, pp=dims.pp, ep=dims.ep,
-                         replicate=dims.dp_replicate if e.sharding_for(getattr(strategy, "data_parallel", None) or
-                                                                       e.defaults().get("data_parallel")).grads == "fsdp"
-                         else 1, data_parallel=getattr(strategy, "data_parallel", None))
-    pd = getattr(strategy, "param_dtype", None)  # FSDP mixed precision: bf16 gathers move 2 bytes per parameter
-    n_micro = getattr(strategy, "_n_microbatches", None)
-    return replace(base, cpu_offload=base.cpu_offload or bool(getattr(strategy, "cpu_offload", False)),
-                   disk_offload=bool(getattr(strategy, "offload_dir", None)),
-                   prefetch=int(getattr(strategy, "prefetch", 1)), tiling=dict(tiling),
-                   gather_bytes=dtype_bytes(parse_dtype(pd, "param_dtype")) if pd else None,
-                   schedule=str(getattr(strategy, "schedule", "1f1b")), n_microbatches=n_micro,
-                   virtual_stages=int(getattr(strategy, "virtual_stages", 1) or 1),
-                   sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
-                   loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
-                   unsharded_grads=accumulate > 1 and getattr(strategy, "grad_sync", None) == "last_micro_batch",
-                   reshard_after_forward=getattr(strategy, "reshard_after_forward", True) is not False,
-                   mesh=dims.sizes())
+                         replicate=dims.dp_replicate if fsdp_data else 1, data_parallel=o.data_parallel)
+    return replace(base, cpu_offload=base.cpu_offload or o.cpu_offload, disk_offload=o.disk_offload,
+                   prefetch=o.prefetch, tiling=dict(tiling),
+                   gather_bytes=dtype_bytes(parse_dtype(o.param_dtype, "param_dtype")) if o.param_dtype else None,
+                   schedule=o.schedule, n_microbatches=o.n_microbatches, virtual_stages=o.virtual_stages,
+                   sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel,
+                   unsharded_grads=accumulate > 1 and o.grad_sync == "last_micro_batch",
+                   reshard_after_forward=o.reshard_after_forward is not False, mesh=dims.sizes())

@@ -35,7 +35,7 @@ LAYERS: dict[str, int] = {
     "lightning_par.memory_check": 7, "lightning_par.config_values": 7, "lightning_par.tiling_option": 7,
     # the app around it: modes beside training, the command line, reports, the collectives benchmark
     "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8,
-    "lightning_par.collectives": 8, "lightning_par.prepare": 8,
+    "lightning_par.collectives": 8, "lightning_par.prepare": 8, "lightning_par.tools": 8,
 }
 NAMES = {0: "base", 1: "parallel", 2: "strategies", 3: "models", 4: "data", 5: "callbacks", 6: "costs",
          7: "entry", 8: "app"}
@@ -170,3 +170,35 @@ def test_the_checks_fail_on_a_violation() -> None:
                                                ("from ..strategies import base", "lightning_par.strategies.base")])
 def test_relative_imports_resolve(relative: str, expected: str) -> None:
     assert expected in imports_of("lightning_par.parallel.x", relative, False, set(modules()))
+
+
+# The cost models read a strategy through one typed seam, ``strategy.cost_options()`` (parallel/layout.py):
+# no getattr/hasattr probe of a strategy, and no module outside strategies/ reads a strategy's private
+# attribute (``estimate.py`` read ``_n_microbatches``; there were 27 probes in the two files).
+COST_READERS = ("lightning_par/estimate.py", "lightning_par/costs/run_prediction.py", "lightning_par/modes/estimate.py")
+
+
+def _strategy_probes(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            target = ast.unparse(node.args[0]) if node.args else ""
+            if "strategy" in target:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_cost_models_read_strategies_through_cost_options_only():
+    probes = [p for rel in COST_READERS for p in _strategy_probes(ROOT / rel)]
+    assert not probes, probes
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        if "strategies" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and node.attr != "_target_"  # a config node's key, not an attribute
+                    and isinstance(node.value, (ast.Name, ast.Attribute))
+                    and ast.unparse(node.value).split(".")[-1] == "strategy"):
+                private.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not private, private

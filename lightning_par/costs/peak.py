@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from lightning_par.costs import activations as act
 from lightning_par.costs.states import bytes_per_param, disk_tier_resident, optimizer_state_bytes
 # what a rank holds is declared by the strategy catalogue; this module prices it
-from lightning_par.strategies.catalog import GRAD_MODES, Layout  # noqa: F401 -- re-exported
+from lightning_par.parallel.layout import GRAD_MODES, Layout  # noqa: F401 -- re-exported
 
 @dataclass(frozen=True)
 class Peak:

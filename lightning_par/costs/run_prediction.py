@@ -64,9 +64,11 @@ def comm_shape(config: Any, micro_batch: int, seq: int) -> CommShape | None:
 def predict(trainer: L.Trainer, pl_module: L.LightningModule,
             batch: tuple[int, int] | None) -> dict[str, dict[str, int]] | None:
     strategy = trainer.strategy
-    facts = getattr(strategy, "model_facts", None) or {}
+    if entry_of(strategy) is None:  # a strategy of Lightning's own or a user's: no cost options to read
+        raise ValueError(f"{type(strategy).__name__} is not in the strategy catalogue: no comm model")
+    facts = strategy.model_facts or {}
     clip = trainer.gradient_clip_val
-    return strategy_comm(strategy, mesh=dict(getattr(strategy, "mesh_sizes", None) or {}),
+    return strategy_comm(strategy, mesh=dict(strategy.mesh_sizes),
                          n_params=int(facts.get("n_params", sum(p.numel() for p in pl_module.parameters()))),
                          config=getattr(pl_module, "config", None), batch=batch, precision=str(trainer.precision),
                          accumulate=int(trainer.accumulate_grad_batches), grad_clip=bool(clip and clip > 0))
@@ -80,27 +82,18 @@ def strategy_comm(strategy: Any, *, mesh: dict[str, int], n_params: int, config:
     found = entry_of(strategy)
     if found is None:
         raise ValueError(f"{type(strategy).__name__} is not in the strategy catalogue: no comm model")
-    pp = mesh.get("pp", 1)
-    pipelined = getattr(strategy, "pipelined", False) or pp > 1
-    schedule = str(getattr(strategy, "schedule", "1f1b"))
-    n_micro = strategy.n_microbatches_for(pp) if pipelined and hasattr(strategy, "n_microbatches_for") else 1
-    virtual = getattr(strategy, "virtual_stages", None) or 1  # the mesh strategies resolve their default
+    o = strategy.cost_options()
+    n_micro = o.microbatches_for(mesh.get("pp", 1))
     shape = comm_shape(config, batch[0] // n_micro, batch[1]) if batch and config is not None else None
     pr = dtypes.precision(dtypes.canonical_precision(precision))
-    param_dtype = getattr(strategy, "param_dtype", None)
-    gather = dtypes.parse_dtype(param_dtype, "param_dtype") if param_dtype else pr.param
-    reduce_dtype = getattr(strategy, "reduce_dtype", None)
-    reshard = getattr(strategy, "reshard_after_forward", True)
+    gather = dtypes.parse_dtype(o.param_dtype, "param_dtype") if o.param_dtype else pr.param
     return step_comm_bytes(
         found.name, n_params=n_params, mesh=mesh, dtype_bytes=dtypes.dtype_bytes(gather), shape=shape,
-        micro_batches=n_micro, reshard_after_forward=True if reshard is None else bool(reshard), schedule=schedule,
-        virtual_stages=int(virtual), sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
-        loss_parallel=bool(getattr(strategy, "loss_parallel", False)), grad_clip=grad_clip,
-        expert_params=int(getattr(config, "n_expert_params", 0) or 0),
-        data_parallel=str(getattr(strategy, "data_parallel", "replicate")),
-        activation_bytes=dtypes.dtype_bytes(pr.compute),
-        recompute=bool(getattr(strategy, "activation_checkpointing", False)), accumulate=accumulate,
-        grad_sync=str(getattr(strategy, "grad_sync", "every_micro_batch")),
-        reduce_dtype_bytes=(dtypes.dtype_bytes(dtypes.parse_dtype(reduce_dtype, "reduce_dtype"))
-                            if reduce_dtype else None),
-        zero2_collectives=str(getattr(strategy, "zero2_collectives", "reduce_scatter")))
+        micro_batches=n_micro, reshard_after_forward=o.reshard_after_forward is not False, schedule=o.schedule,
+        virtual_stages=o.virtual_stages, sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel,
+        grad_clip=grad_clip, expert_params=int(getattr(config, "n_expert_params", 0) or 0),
+        data_parallel=o.data_parallel or "replicate", activation_bytes=dtypes.dtype_bytes(pr.compute),
+        recompute=o.recompute, accumulate=accumulate, grad_sync=o.grad_sync,
+        reduce_dtype_bytes=(dtypes.dtype_bytes(dtypes.parse_dtype(o.reduce_dtype, "reduce_dtype"))
+                            if o.reduce_dtype else None),
+        zero2_collectives=o.zero2_collectives)

@@ -47,7 +47,7 @@ def run_estimate(cfg: Any) -> str:
         dims = facts.mesh_of(strategy, n)
         gbs = int(cfg.data.get("global_batch_size", n))
         micro = facts.micro_batch_size(gbs, dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1)))
-        checkpointing = bool(getattr(strategy, "activation_checkpointing", False))
+        checkpointing = strategy.cost_options().recompute
         params = opts.get("params")
         shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
         # a model the estimator has no op-by-op shape for (Hugging Face, a user's module): one training

@@ -41,6 +41,7 @@ from lightning_par import ConfigError
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
 from lightning_par.parallel.hf_save import install_sharded_save
 from lightning_par.parallel.init_trace import InitTrace
+from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.materialize import canonical_name
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
@@ -159,6 +160,13 @@ class ParStrategyMixin:
     def check_sync_batchnorm(self, world_size: int, module: nn.Module) -> None:
         """Raise ``ValueError`` (one line) where synchronized BatchNorm cannot give ``module`` the
         statistics of the global batch under this strategy; nothing by default."""
+
+    # ----------------------------------------------------------------------------- costs
+    def cost_options(self) -> CostOptions:
+        """What this strategy states about itself for the cost models (``parallel/layout.py``): the
+        estimator and the comm prediction read this, never the strategy's attributes. Strategies with
+        options of their own extend it (``replace(super().cost_options(), ...)``)."""
+        return CostOptions(recompute=bool(self.activation_checkpointing), cpu_offload=bool(self.cpu_offload))
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:

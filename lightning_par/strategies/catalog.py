@@ -24,58 +24,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from lightning_par.parallel.layout import GRAD_MODES, Layout, Sharding
+
 __all__ = ["CATALOG", "GRAD_MODES", "Fleet", "Layout", "Option", "Sharding", "StrategyEntry", "entry", "entry_of"]
-
-#: how a strategy holds gradients during backward (costs/peak.py): summed in place, in DDP's
-#: buckets, ZeRO-2's bucketed reduce-scatters into its shard, or FSDP's per-unit reduce-scatter
-GRAD_MODES = ("accumulate", "bucket", "zero2", "fsdp")
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """What a strategy splits over its data-parallel ranks (the ZeRO paper's stages)."""
-
-    params: bool = False
-    optimizer: bool = False
-    grads: str = "accumulate"  # one of GRAD_MODES
-    cpu_offload: bool = False  # model states in host memory
-
-    def __post_init__(self) -> None:
-        if self.grads not in GRAD_MODES:
-            raise ValueError(f"Sharding.grads must be one of {', '.join(GRAD_MODES)}, got {self.grads!r}")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one rank holds under a strategy on a mesh: the cost models' input (``costs/peak.py``,
-    ``costs/comm.py``). Built by ``StrategyEntry.cost_layout``."""
-
-    strategy: str
-    shard: int = 1  # ranks the sharded states are split over
-    params_sharded: bool = False
-    opt_sharded: bool = False
-    grads: str = "accumulate"
-    cpu_offload: bool = False
-    #: the offloaded states in files (zero3_offload's ``offload_dir``): host memory holds the step's chunks
-    disk_offload: bool = False
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1  # expert parallelism: each rank holds 1/ep of every MoE layer's routed experts
-    expert_shard: int | None = None  # ranks the experts' own states are sharded over (None: ``shard``)
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    schedule: str = "1f1b"
-    n_microbatches: int | None = None
-    virtual_stages: int = 1
-    prefetch: int = 1
-    gather_bytes: float | None = None  # bytes per gathered parameter element (None: the params' own)
-    tiling: dict[str, int] = field(default_factory=dict)
-    mesh: dict[str, int] = field(default_factory=dict)
-    data_parallel: str = "replicate"  # expert_parallel / 3d: how the data axis holds the non-expert states
-    unsharded_grads: bool = False  # FSDP grad_sync=last_micro_batch with accumulation: full gradients held
-    reshard_after_forward: bool = True  # FSDP frees every gathered unit, the root's too, after forward
-    bucket_bytes: int = 25 * 2**20  # ZeRO-2's gradient buckets (the strategy's bucket_cap_mb default)
-
 
 @dataclass(frozen=True)
 class Fleet:

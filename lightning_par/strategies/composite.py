@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +39,7 @@ from lightning_par.parallel.contract import example_input_of, loss_fn_of
 from lightning_par.parallel.discovery import ResolvedPlan, resolve_plan
 from lightning_par.parallel.hf_pipeline import check_hf_pipeline
 from lightning_par.parallel.hf_plan import check_tied
+from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.expert_parallel import check_expert_parallel, data_mesh
 from lightning_par.parallel.parallelize import ExpertParallel, TensorParallel
@@ -202,6 +204,12 @@ class MeshParallelStrategy(PipelineLoopMixin, FSDPOptionsMixin, ShardedStrategy)
 
     def n_microbatches_for(self, pp: int) -> int:
         return self._n_microbatches if self._n_microbatches is not None else pp
+
+    def cost_options(self) -> CostOptions:
+        return replace(super().cost_options(), data_parallel=self.data_parallel, pipelined=bool(self.pipelined),
+                       schedule=str(self.schedule), n_microbatches=self._n_microbatches,
+                       virtual_stages=int(self.virtual_stages or 1), sequence_parallel=bool(self.sequence_parallel),
+                       loss_parallel=bool(self.loss_parallel))
 
     def uses_pipeline(self, dims: ParallelDims) -> bool:
         return self.pipelined or dims.pp > 1

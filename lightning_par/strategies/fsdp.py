@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_par.parallel.discovery import ResolvedPlan
 from lightning_par.parallel.fsdp import resolve_units
+from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.strategies.base import ShardedStrategy
 from lightning_par.strategies.fsdp_options import FSDPOptions, FSDPOptionsMixin
@@ -80,6 +82,9 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
         self.grad_sync = grad_sync
 
     # ----------------------------------------------------------------------------- mesh
+    def cost_options(self) -> CostOptions:
+        return replace(super().cost_options(), grad_sync=self.grad_sync)
+
     def dims_for(self, world_size: int) -> ParallelDims:
         r = self.replicate
         if not isinstance(r, int) or r < 1 or world_size % r:

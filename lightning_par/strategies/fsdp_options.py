@@ -13,10 +13,11 @@ are checked in one place (``check``), become the **fully shard** technique in on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_par.dtypes import parse_dtype
+from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.parallelize import FullyShard
 
 
@@ -84,3 +85,8 @@ class FSDPOptionsMixin:
     param_dtype = _option("param_dtype")
     reduce_dtype = _option("reduce_dtype")
     cpu_offload = _option("cpu_offload")
+
+    def cost_options(self) -> CostOptions:
+        o = self.fsdp_options
+        return replace(super().cost_options(), cpu_offload=o.cpu_offload, param_dtype=o.param_dtype,  # type: ignore[misc]
+                       reduce_dtype=o.reduce_dtype, prefetch=o.prefetch, reshard_after_forward=o.reshard_after_forward)
