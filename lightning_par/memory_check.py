@@ -6,9 +6,12 @@ Available per rank: on CUDA the device's total memory; on CPU the host's availab
 any tensor exists (Python, torch, Lightning: this process's resident size, the batch-size finder's
 baseline). Predicted: ``mode=estimate``'s row for the configured strategy: ``costs/peak.py`` for the
 models whose shape the estimator knows (the GPT and MoE presets), a training step traced on fake
-tensors (``costs/traced.py``) for the others (Hugging Face, a user's module) under the data-parallel
-strategies; a model split by tp/pp/ep, or one the tracer cannot run, is not checked.
-``check_memory=false`` skips it.
+tensors (``costs/traced.py``) for the others (Hugging Face, a user's module, the MLP and CNN
+classifiers) under the data-parallel strategies. Where no prediction can be made -- a model split by
+tp/pp/ep that the estimator has no shape for, one the tracer cannot run, a strategy outside the
+catalogue, a layout the estimator does not price -- the run goes on and one line says so
+(``note: memory check skipped: <why>``), printed once where the run is launched; never silence.
+``check_memory=false`` skips it (no note).
 """
 
 from __future__ import annotations
@@ -53,7 +56,14 @@ def _mem_available() -> int:
 
 def predicted_peak(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int, str] | None:
     """(bytes, strategy name) of the configured run's predicted peak per rank, or None where the
-    estimator has no model of it (a model of unknown shape, a strategy outside the catalogue)."""
+    estimator has no model of it (``prediction`` says why)."""
+    found = prediction(cfg, strategy, model, world)
+    return None if isinstance(found, str) else found
+
+
+def prediction(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int, str] | str:
+    """(bytes, strategy name) of the configured run's predicted peak per rank, or why there is none (one
+    line: a model of unknown shape under a layout that splits it, a strategy outside the catalogue, ...)."""
     from lightning_par.costs.activations import Shape
     from lightning_par.dtypes import canonical_precision
     from lightning_par.estimate import estimate, strategy_layout
@@ -61,44 +71,66 @@ def predicted_peak(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int
 
     config, found = getattr(model, "config", None), entry_of(strategy)
     if found is None:
-        return None
+        return (f"strategy {type(strategy).__name__} is not one of lightning_par's catalogued strategies, whose "
+                "memory mode=estimate prices")
     dims = facts.mesh_of(strategy, world)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     micro = facts.micro_batch_size(int(cfg.data.get("global_batch_size", world)), dims.dp, accumulate)
     precision = canonical_precision(str(cfg.trainer.get("precision", "32-true")))
     tiling = dict(getattr(strategy, "tiling", None) or {})
     if not all(hasattr(config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")):
-        return _traced_peak(cfg, found.name, strategy, dims, micro, precision, tiling, accumulate)
+        return _traced_peak(cfg, found.name, strategy, dims, micro, precision, tiling, accumulate, model)
     shape = Shape.of(config, getattr(model, "seq_len", None))
     on_cuda = _on_cuda(cfg)
+    try:
+        lay = strategy_layout(found.name, strategy, dims, tiling, accumulate)
+    except Exception as e:  # noqa: BLE001 - the check never stops a run it cannot price: it says so
+        return f"mode=estimate does not price strategy={found.name} here ({_what_failed(e)})"
     try:
         est = estimate(shape, devices=dims.world_size, strategy=found.name, precision=precision,
                        optimizer=str(cfg.model.get("optimizer", "adamw")), micro_batch_size=micro,
                        checkpointing=bool(getattr(strategy, "activation_checkpointing", False)),
-                       device="cuda" if on_cuda else "cpu",
-                       layout_=strategy_layout(found.name, strategy, dims, tiling, accumulate))
-    except ValueError:  # a layout the estimator does not price: nothing to check against
-        return None
+                       device="cuda" if on_cuda else "cpu", layout_=lay)
+    except ValueError as e:  # a layout the estimator does not price: nothing to check against
+        return f"mode=estimate does not price strategy={found.name} here ({_first_line(e)})"
     return est.peak, found.name
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0][:200] if text else type(exc).__name__)
+
+
+def _what_failed(exc: BaseException) -> str:
+    """``Type: first line`` of an exception (its type alone when it says nothing)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
 def _traced_peak(cfg: Any, name: str, strategy: Any, dims: Any, micro: int, precision: str, tiling: dict,
-                 accumulate: int) -> tuple[int, str] | None:
-    """A model without a GPT shape (Hugging Face, a user's module): one training step traced on fake
-    tensors (``costs/traced.py``, CPU kernels: on CUDA an upper bound for attention), re-held as a
-    data-parallel strategy holds it. None where it cannot be traced or the strategy splits the model."""
+                 accumulate: int, model: Any = None) -> tuple[int, str] | str:
+    """A model without a GPT shape (Hugging Face, a user's module, the MLP, the CNN): one training step
+    traced on fake tensors (``costs/traced.py``, CPU kernels: on CUDA an upper bound for attention),
+    re-held as a data-parallel strategy holds it. Why not, where the strategy splits the model (tp, pp,
+    ep: asked first, before tracing) or the step cannot be traced."""
     from hydra.utils import instantiate
 
     from lightning_par.costs.traced import trace_model
     from lightning_par.estimate import estimate_traced, strategy_layout
 
+    what = type(model).__name__ if model is not None else str(cfg.model.get("_target_", "the model")).rsplit(".")[-1]
+    try:
+        lay = strategy_layout(name, strategy, dims, tiling, accumulate)
+    except Exception as e:  # noqa: BLE001 - the check never stops a run it cannot price: it says so
+        return f"mode=estimate does not price strategy={name} here ({_what_failed(e)})"
+    if lay.tp > 1 or lay.pp > 1 or lay.ep > 1:
+        return (f"strategy={name} splits {what} (tp={lay.tp}, pp={lay.pp}, ep={lay.ep}), and a model without a GPT "
+                "shape is priced from one traced step under data-parallel strategies only")
     try:
         traced = trace_model(lambda: instantiate(cfg.model), micro, precision=precision)
-        est = estimate_traced(traced, devices=dims.world_size, strategy=name,
-                              layout_=strategy_layout(name, strategy, dims, tiling, accumulate))
+        est = estimate_traced(traced, devices=dims.world_size, strategy=name, layout_=lay)
     except Exception as exc:  # noqa: BLE001 - a model the tracer cannot run is not checked, and said so
-        log.info("memory check: %s not traced (%s); not checked", type(exc).__name__, str(exc).splitlines()[0][:200])
-        return None
+        return f"one training step of {what} could not be traced ({_what_failed(exc)})"
     return est.peak, name
 
 
@@ -108,11 +140,13 @@ def _on_cuda(cfg: Any) -> bool:
 
 
 def check_memory(cfg: Any, strategy: Any, model: Any, world: int) -> None:
-    """Raise ``ConfigError`` (one line) when the predicted peak per rank exceeds what a rank has."""
+    """Raise ``ConfigError`` (one line) when the predicted peak per rank exceeds what a rank has; print one
+    note saying why when no peak can be predicted (the run goes on)."""
     if not bool(cfg.get("check_memory", True)):
         return
-    predicted = predicted_peak(cfg, strategy, model, world)
-    if predicted is None:
+    predicted = prediction(cfg, strategy, model, world)
+    if isinstance(predicted, str):  # the run goes on, and says it was not checked (once: here, at launch)
+        print(f"note: memory check skipped: {predicted}")
         return
     peak, name = predicted
     ranks_here = 1 if getattr(strategy, "single_process", False) else world // int(cfg.trainer.get("num_nodes", 1))

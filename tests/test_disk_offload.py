@@ -140,6 +140,43 @@ def test_offload_dir_checked_before_launch(tmp_path):
     assert "the disk tier needs" in lines[0] and "GiB are free" in lines[0], lines
 
 
+def test_full_offload_dir_reports_real_sizes(tmp_path, monkeypatch):
+    """A nearly full file system at the offload directory (``shutil.disk_usage`` says so): the line names
+    the bytes the ranks' files need and the bytes free in units that show them (a small model's files and
+    a full disk are KiB or MiB, which whole GiB once showed as "needs 0.00 GiB there, 0.00 GiB are free"),
+    before launch through the strategy's own check too."""
+    from torch import nn
+
+    from lightning_par.parallel import disk_offload
+    from lightning_par.strategies.zero import Zero3OffloadStrategy
+
+    free = {"bytes": 3 * 2**20}
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk_offload.shutil, "disk_usage",
+                        lambda path: usage._replace(free=free["bytes"], used=usage.total - free["bytes"]))
+    with pytest.raises(ValueError) as e:
+        disk_offload.check_offload_dir(tmp_path / "off", 5 * 2**20 + 2**19)
+    line = str(e.value)
+    assert line == (f"strategy.offload_dir={tmp_path / 'off'}: the disk tier needs 5.5 MiB there, 3.0 MiB are free; "
+                    "free space there or set strategy.offload_dir to a directory with more room"), line
+    assert disk_offload.check_offload_dir(tmp_path / "off", 2 * 2**20) == tmp_path / "off"  # room: accepted
+    # sizes that round alike are told apart in bytes
+    free["bytes"] = 3_000_000
+    with pytest.raises(ValueError, match=r"needs 2\.9 MiB \(3000001 bytes\) there, 2\.9 MiB \(3000000 bytes\) "
+                                         r"are free"):
+        disk_offload.check_offload_dir(tmp_path / "off", 3_000_001)
+    # a full disk under the strategy's check before launch: 2 ranks of a 100,100-parameter model, each 16 bytes per
+    # parameter of its half (fp32 shard, gradient, AdamW's m and v): 800,800 bytes per rank
+    free["bytes"] = 0
+    strategy = Zero3OffloadStrategy(offload_dir=str(tmp_path / "full"))
+    with pytest.raises(ValueError) as e:
+        strategy.validate_setup(2, nn.Linear(1000, 100))
+    line = str(e.value)
+    assert "\n" not in line and "0.00 GiB" not in line, line
+    assert "the disk tier needs 1.5 MiB there (2 ranks x 782.0 KiB of fp32 parameter and gradient shards and AdamW " \
+           "state), 0 B are free" in line, line
+
+
 def test_file_tier_releases_pages_and_keeps_data(tmp_path):
     """A view written, released (MADV_DONTNEED) and read again holds what was written."""
     from lightning_par.parallel.disk_offload import DiskFullError, FileArena

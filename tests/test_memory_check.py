@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_par import ConfigError
-from lightning_par.memory_check import available_per_rank, check_memory, predicted_peak
+from lightning_par.memory_check import available_per_rank, check_memory, predicted_peak, prediction
 from lightning_par.strategies.launcher import describe_exit
 from tests.helpers import composed, run_cli
 
@@ -89,3 +89,51 @@ def test_a_rank_killed_by_the_kernel_is_said_so() -> None:
     for code in (-signal.SIGKILL, 137):
         assert describe_exit(code) == "killed (SIGKILL: out of memory, or sent by a person or a scheduler)"
     assert describe_exit(-signal.SIGTERM) == "killed by SIGTERM" and describe_exit(3) == "exit code 3"
+
+
+CONF = Path(__file__).resolve().parents[1] / "lightning_par" / "conf"
+#: traced on fake tensors for 7-11 s each; model=hf_causal_lm and hf_llama_tiny take the same path
+SLOW_TO_TRACE = {"hf_llama_1b", "hf_qwen2_0p5b"}
+
+
+@pytest.mark.parametrize("override", [f"experiment={p.stem}" for p in sorted((CONF / "experiment").glob("*.yaml"))]
+                         + [f"model={p.stem}" for p in sorted((CONF / "model").glob("*.yaml"))
+                            if p.stem not in SLOW_TO_TRACE])
+def test_every_experiment_and_model_is_checked(tmp_path: Path, override: str, capsys) -> None:
+    """Issue 35: experiment=mlp (and the CNN) went unchecked in silence: the trace gave the classifier its
+    input as the loss's target. Every shipped experiment and model preset, as configured, gets a predicted
+    peak (none skipped), and the check runs quietly when it fits."""
+    cfg, strategy, model = _built(tmp_path, override)
+    world = int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1
+    predicted = predicted_peak(cfg, strategy, model, world)
+    assert predicted is not None and predicted[0] > 0, (override, prediction(cfg, strategy, model, world))
+    if predicted[0] < available_per_rank(False, world)[0]:
+        check_memory(cfg, strategy, model, world)
+        assert "memory check skipped" not in capsys.readouterr().out
+
+
+def test_a_run_that_cannot_be_predicted_says_so_in_one_note(tmp_path: Path, capsys) -> None:
+    """Where no peak can be predicted (the MLP split by tp: a model without a GPT shape is priced from a
+    traced step under data-parallel strategies only), the run goes on and one line says why; with
+    check_memory=false, nothing."""
+    cfg, strategy, model = _built(tmp_path, "experiment=mlp", "strategy=tensor_parallel", "trainer.devices=2")
+    assert predicted_peak(cfg, strategy, model, 2) is None
+    check_memory(cfg, strategy, model, 2)  # not stopped
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["note: memory check skipped: strategy=tensor_parallel splits MLPModule (tp=2, pp=1, ep=1), and "
+                     "a model without a GPT shape is priced from one traced step under data-parallel strategies "
+                     "only"], lines
+    cfg.check_memory = False
+    check_memory(cfg, strategy, model, 2)
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_note_is_printed_once_per_run(tmp_path: Path) -> None:
+    """In a real run of 2 ranks: the note once (where the run is launched, not per rank), and the run trains."""
+    proc = run_cli(["experiment=mlp", "strategy=tensor_parallel", "trainer.devices=2", "trainer.max_steps=2",
+                    "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false"], tmp_path / "run")
+    notes = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "memory check skipped" in ln]
+    assert len(notes) == 1 and notes[0].startswith("note: memory check skipped: strategy=tensor_parallel"), notes
+    assert (tmp_path / "run" / "summary.json").exists()

@@ -191,6 +191,30 @@ def test_zero2_refuses_foreign_params() -> None:  # checked before any collectiv
         Zero2Optimizer(torch.optim.AdamW(nn.Linear(2, 2).parameters()), _tiny())
 
 
+def _zero2_branch_worker(rank: int, world: int) -> str:
+    model = nn.ModuleDict({"used": nn.Linear(2, 2), "branch": nn.Linear(2, 2)})  # branch: no gradient this step
+    opt = Zero2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="lp_zero2")
+    model["used"](torch.ones(1, 2)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as e:  # ConfigError
+        return str(e)
+    return "stepped"
+
+
+def test_zero2_lines_say_lp_zero2() -> None:
+    """zero2's one-line stops start with the strategy's name (lp_zero2:), as every other strategy's do (issue
+    35): its checks before launch, and the optimizer's stop on a parameter without a gradient (a branch), which
+    the strategy names so (``tests/test_sync_bn_unused.py::test_unused_parameters`` runs it under Lightning)."""
+    with pytest.raises(ValueError, match=r"^lp_zero2: collectives must be one of"):
+        Zero2Strategy(collectives="x")
+    with pytest.raises(ValueError, match=r"^lp_zero2: zero2 flattens all parameters"):
+        Zero2Strategy().validate_setup(2, nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
+    [line] = run_distributed(_zero2_branch_worker, 1, timeout=120)
+    assert line.startswith("lp_zero2: parameter(s) branch.weight, branch.bias got no gradient on any rank"), line
+    assert "\n" not in line
+
+
 # --- FSDP ------------------------------------------------------------------------------------------
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 

@@ -293,7 +293,8 @@ def test_unused_parameters(tmp_path: Path) -> None:
     proc = run_script(tmp_path, 2, "branchy", ["lp_zero2"], timeout=300)
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == ["error: zero2: parameter(s) aux.weight, aux.bias, never.weight, never.bias got no gradient "
+    # it says who stops as every other strategy's line does: the strategy's name (lp_zero2), not "zero2"
+    assert errors == ["error: lp_zero2: parameter(s) aux.weight, aux.bias, never.weight, never.bias got no gradient "
                       "on any rank in a training step (unused, or in a branch not taken every step), which zero2's "
                       "flat optimizer shard cannot skip as torch's optimizers do; use zero3 or fsdp, or zero1 / ddp "
                       "with find_unused_parameters=True"], proc.stderr[-4000:]

@@ -13,7 +13,9 @@ and tensor-parallel styles?". Rules, in order (the first that gives blocks wins;
 4. ``size``: modules of at least 1/8 of the model's parameters (the smallest such subtrees;
    FSDP1's size-based auto-wrap policy), so FSDP still overlaps communication.
 
-A declared plan without blocks (say, only a ``tp_plan``) gets its blocks from rules 2-4.
+A declared plan without blocks (say, only a ``tp_plan``) gets its blocks from rules 2-4. A declared
+``tp_plan`` that splits a Hugging Face attention module's q/k/v by columns gets that module's head counts
+divided by tp, as the derived plans do (``hf_plan.declared_head_division``).
 Nothing here imports transformers: Hugging Face models are recognised by their attributes.
 """
 
@@ -26,8 +28,8 @@ from torch import nn
 
 from lightning_par.parallel.contract import InitsWeights, ParallelPlan, declared_plan
 from lightning_par.parallel.fsdp import resolve_units
-from lightning_par.parallel.hf_plan import (find_hf_model, hf_enable_checkpointing, hf_init_fn, hf_parallel_plan,
-                                            in_tagged_model)
+from lightning_par.parallel.hf_plan import (declared_head_division, find_hf_model, hf_enable_checkpointing, hf_init_fn,
+                                            hf_parallel_plan, in_tagged_model)
 
 RULES = ("declared", "hf_no_split_modules", "repeated_children", "size")
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -72,9 +74,25 @@ def _hf_plan(module: nn.Module) -> tuple[ParallelPlan, str] | None:
     return (plan.prefixed(path), f"huggingface:{path or '.'}") if plan is not None else None
 
 
+def _with_head_counts(module: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+    """A declared ``tp_plan`` splitting a Hugging Face attention module's projections by columns, with that
+    module's head counts divided by tp and checked before launch as the derived plans do
+    (``hf_plan.declared_head_division``), or refused in one line (``tp_refusal``) where they cannot be."""
+    if not plan.tp_plan:
+        return plan
+    entries, divisible, refusal = declared_head_division(module, plan.tp_plan)
+    if refusal:
+        return replace(plan, tp_plan={}, tp_refusal=refusal)
+    if not entries and not divisible:
+        return plan
+    return replace(plan, tp_plan={**plan.tp_plan, **entries}, tp_divisible={**plan.tp_divisible, **divisible})
+
+
 def resolve_plan(module: nn.Module) -> ResolvedPlan:
     """The plan of ``module`` by the rules of the module docstring."""
     plan = declared_plan(module)
+    if plan is not None:
+        plan = _with_head_counts(module, plan)
     if plan is not None and plan.blocks:
         return ResolvedPlan(plan, "declared", "declared")
     source = "declared" if plan is not None else "none"

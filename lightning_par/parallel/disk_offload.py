@@ -75,9 +75,29 @@ def disk_bytes_needed(params: int, grads: int, optimizer_state: int) -> int:
     return params + grads + optimizer_state
 
 
-def check_offload_dir(path: str | os.PathLike, needed: int | None = None, key: str = "strategy.offload_dir") -> Path:
+def fmt_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``782.0 KiB``, ``1.5 MiB``, ``0 B``),
+    as the run's report writes sizes (``report.fmt_bytes``, a layer above this one)."""
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024:
+            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} TiB"
+
+
+def _sizes(needed: int, free: int) -> tuple[str, str]:
+    """Both sizes in the unit that fits each (a small model's files and a nearly full disk are KiB or MiB,
+    which whole GiB showed as 0.00), exact in bytes too where the rounded ones would read alike."""
+    a, b = fmt_size(needed), fmt_size(free)
+    return (a, b) if a != b else (f"{a} ({needed} bytes)", f"{b} ({free} bytes)")
+
+
+def check_offload_dir(path: str | os.PathLike, needed: int | None = None, key: str = "strategy.offload_dir",
+                      what: str = "") -> Path:
     """Make sure ``path`` is a writable directory (created if missing) with ``needed`` bytes free;
-    raise ``ValueError`` (one line naming ``key``) otherwise. Returns the directory."""
+    raise ``ValueError`` (one line naming ``key``, the bytes needed and the bytes free) otherwise.
+    ``what``: what the bytes are for, said in the line (``2 ranks' files``). Returns the directory."""
     d = Path(os.path.expanduser(str(path)))
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -90,8 +110,9 @@ def check_offload_dir(path: str | os.PathLike, needed: int | None = None, key: s
     if needed is not None:
         free = shutil.disk_usage(d).free
         if needed > free:
-            raise ValueError(f"{key}={path}: the disk tier needs {needed / 2**30:.2f} GiB there, "
-                             f"{free / 2**30:.2f} GiB are free")
+            need_s, free_s = _sizes(needed, free)
+            raise ValueError(f"{key}={path}: the disk tier needs {need_s} there{f' ({what})' if what else ''}, "
+                             f"{free_s} are free; free space there or set {key} to a directory with more room")
     return d
 
 
@@ -109,8 +130,9 @@ class FileArena:
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     free = shutil.disk_usage(directory).free
-                    full = DiskFullError(f"disk tier: no room for {self.nbytes / 2**20:.1f} MiB of {name} at "
-                                         f"{directory} ({os.strerror(e.errno)}; {free / 2**20:.1f} MiB free)")
+                    need_s, free_s = _sizes(self.nbytes, free)
+                    full = DiskFullError(f"disk tier: no room for {need_s} of {name} at {directory} "
+                                         f"({os.strerror(e.errno)}; {free_s} free)")
                     full.errno = e.errno
                     raise full from None
                 raise
@@ -575,4 +597,5 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._pool.shutdown(wait=True)
 
 
-__all__ = ["DiskFullError", "FileArena", "FileTier", "PagedOptimizer", "check_offload_dir", "disk_bytes_needed"]
+__all__ = ["DiskFullError", "FileArena", "FileTier", "PagedOptimizer", "check_offload_dir", "disk_bytes_needed",
+           "fmt_size"]

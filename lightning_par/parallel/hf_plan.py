@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.ties import retie, tied_parameters  # noqa: F401  (re-exported)
 from lightning_par.parallel.contract import ParallelPlan
@@ -130,6 +131,106 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
             ours = f"mla_kv_a_proj:{rope}"
         out[pattern] = ours
     return out
+
+
+#: what an attention module sizes its views, splits or per-head tables by: head counts and the head widths the
+#: derived plans divide (``hf_tp_derive``'s ``divide_attrs`` entries: GPT-2's ``split_size``, BERT's
+#: ``all_head_size``, T5's ``inner_dim``); a colwise split of the module's projections leaves it 1/tp of each
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_head",
+              "n_kv_heads", "split_size", "all_head_size", "inner_dim")
+_HEAD_SPLITS = ("colwise", "packed_colwise")  # column splits whose output is this rank's heads (not gathered)
+
+
+def _head_attrs(module: nn.Module) -> list[str]:
+    return [a for a in HEAD_ATTRS if type(getattr(module, a, None)) is int]
+
+
+def declared_head_division(module: nn.Module, tp_plan: dict[str, str]) -> tuple[dict[str, str], dict[str, int], str]:
+    """What a tensor-parallel plan the user declares (``parallel_plan().tp_plan``, paths in ``module``) needs
+    beside itself where it splits a Hugging Face attention module's projections by columns: the module's
+    head counts divided by tp, as the derived plans do (``divide_attrs`` entries: transformers' attention
+    forwards view their projections as ``(B, T, self.num_heads, head_dim)``, StableLM's among them, which a
+    rank holding some of the heads cannot), and those counts as sizes tp must divide (checked before launch).
+
+    Returns (entries to add, sizes tp must divide, refusal). An attention module the plan names itself is left
+    to the plan. The refusal (one line, '' if none): a part of such a module keeps a table per head for all
+    of them (StableLM's ``qk_layernorm``: a LayerNorm per head, applied in order to the heads it is given),
+    or a module above it holds a head count too (BLOOM's and MPT's ALiBi biases, built by the model for
+    all heads; Falcon's only with ``alibi=True``: a config saying ``alibi=False`` is let through), which a
+    rank holding some of the heads would apply to the wrong ones. Nothing for a plan over modules outside a
+    Hugging Face model (a model of one's own sizes its views as it likes)."""
+    from lightning_par.parallel.tensor_parallel import match_modules
+
+    hf_roots = [path for path, sub in module.named_modules() if is_hf_model(sub)]
+    if not hf_roots or not tp_plan:
+        return {}, {}, ""
+
+    def in_hf(path: str) -> bool:
+        return any(not r or path == r or path.startswith(r + ".") for r in hf_roots)
+
+    def named(path: str) -> bool:  # the plan names this module or one above it
+        return any(_matches(p, ".".join(path.split(".")[:n])) for p in tp_plan
+                   for n in range(1, len(path.split(".")) + 1))
+
+    owners: dict[str, tuple[str, list[str]]] = {}  # attention path -> (its pattern, its column-split children)
+    for pattern, style in tp_plan.items():
+        if style.partition(":")[0] not in _HEAD_SPLITS:
+            continue
+        owner_pattern = pattern.rpartition(".")[0]
+        for path in match_modules(module, pattern):
+            owner = path.rpartition(".")[0]
+            if owner and in_hf(owner) and owner != path:
+                owners.setdefault(owner, (owner_pattern, []))[1].append(path.rpartition(".")[2])
+    entries: dict[str, str] = {}
+    divisible: dict[str, int] = {}
+    by_pattern: dict[str, dict[str, tuple[str, ...]]] = {}
+    seen: set[tuple[str, int]] = set()
+    model = type(module.get_submodule(hf_roots[0]) if hf_roots[0] else module).__name__
+    for owner, (owner_pattern, children) in owners.items():
+        if any(_matches(p, owner) for p in tp_plan):
+            continue  # the plan says what this module needs (a divide_attrs entry of its own, ...)
+        attn = module.get_submodule(owner)
+        attrs = tuple(_head_attrs(attn))
+        if not attrs:
+            continue  # views by -1 (Llama and most families): the local head count follows from the shapes
+        for sub_path, sub in attn.named_modules():
+            full = f"{owner}.{sub_path}"
+            if sub_path and not named(full) and _head_attrs(sub) and any(True for _ in sub.parameters()):
+                n = getattr(sub, _head_attrs(sub)[0])
+                return {}, {}, (f"{model}: the declared tp_plan splits the heads of {owner} ({', '.join(children)} "
+                                f"by columns), but {full} ({type(sub).__name__}) keeps a table per head for all {n} "
+                                "heads, which a rank holding some of them would apply to the wrong heads; use tp=1 "
+                                "(a data-parallel or sharded strategy)")
+        root = min((r for r in hf_roots if not r or owner.startswith(r + ".")), key=len)  # the outermost
+        cfg = getattr(module.get_submodule(root) if root else module, "config", None)
+        parts = owner.split(".")
+        for n in range(len(root.split(".")) if root else 0, len(parts)):  # the HF model down to the attention
+            above = ".".join(parts[:n])
+            holder = module.get_submodule(above) if above else module
+            if _head_attrs(holder) and not any(_matches(p, above) for p in tp_plan) \
+                    and getattr(cfg, "alibi", None) is not False:
+                attr = _head_attrs(holder)[0]
+                return {}, {}, (f"{model}: the declared tp_plan splits the heads of {owner} ({', '.join(children)} by "
+                                f"columns), but {above or model} ({type(holder).__name__}) holds a head count "
+                                f"({attr}={getattr(holder, attr)}) outside it, by which the model sizes tensors for "
+                                "all heads (ALiBi biases) that a rank holding some of them would add to the wrong "
+                                "heads; use tp=1 (a data-parallel or sharded strategy)")
+        by_pattern.setdefault(owner_pattern, {})[owner] = attrs
+        split = any(isinstance(p, DTensor) for c in children for p in attn.get_submodule(c).parameters())
+        for attr in attrs if not split else ():  # split already: the counts are this rank's
+            value = getattr(attn, attr)
+            if (attr, value) not in seen:
+                seen.add((attr, value))
+                divisible[f"{owner}.{attr}"] = value
+    for owner_pattern, found in by_pattern.items():
+        if len(set(found.values())) == 1 and set(match_modules(module, owner_pattern)) == set(found):
+            entries[owner_pattern] = "divide_attrs:" + ",".join(next(iter(found.values())))
+        else:  # attention modules of several kinds under one pattern: each its own entry
+            entries.update((owner, "divide_attrs:" + ",".join(attrs)) for owner, attrs in found.items())
+    if entries:
+        log.info("tensor parallel: the declared tp_plan splits the heads of %d Hugging Face attention module(s); their "
+                 "head counts are divided by tp (%s)", len(owners), ", ".join(f"{k}: {v}" for k, v in entries.items()))
+    return entries, divisible, ""
 
 
 def _names_something(model: nn.Module, pattern: str) -> bool:

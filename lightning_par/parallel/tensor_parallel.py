@@ -309,7 +309,6 @@ def apply_tensor_parallel(
 
     for path, style in styles.items():
         parallelize_module(model.get_submodule(path) if path else model, tp_mesh, style)
-    _retie_split(model, ties)
 
     # modules still holding plain parameters: replicate leaf modules (exact when their inputs are
     # replicated, which holds everywhere outside the colwise->rowwise pairs without SP)
@@ -322,6 +321,9 @@ def apply_tensor_parallel(
             applied[path] = "replicate"
         else:
             log.warning("tensor parallel: %s keeps plain (non-DTensor) parameters", path or type(model).__name__)
+    # after the replication: a tied pair the plan leaves alone (a declared plan naming neither the embedding nor
+    # the head) was replicated one module at a time, two parameters that would be initialised and trained apart
+    _retie_split(model, ties)
     log.info("tensor parallel: tp=%d, %d modules (%s), sequence_parallel=%s, loss_parallel=%s",
              tp_mesh.size(), len(applied), ", ".join(sorted(set(applied.values()))), sequence_parallel,
              loss_parallel)

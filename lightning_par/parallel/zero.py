@@ -125,8 +125,9 @@ class Zero2Optimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, *, process_group=None,
                  max_grad_norm: float | None = None, bucket_cap_mb: float = 25.0, in_flight: int = 2,
-                 collectives: str = "reduce_scatter") -> None:
+                 collectives: str = "reduce_scatter", name: str = "zero2") -> None:
         names = {p: n for n, p in module.named_parameters()}
+        self.name = name  # what its one-line stops start with: the strategy's name (lp_zero2) under lightning_par
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         missing = [tuple(p.shape) for p in self._params if p not in names]
         if missing:
@@ -230,7 +231,7 @@ class Zero2Optimizer(torch.optim.Optimizer):
         k = self._bucket_of[i]
         b = self._buckets[k]
         if k > self._next or i in b.ready:
-            raise RuntimeError(f"zero2: {self._fqns[i]} received a second gradient in one backward, after it was "
+            raise RuntimeError(f"{self.name}: {self._fqns[i]} received a second gradient in one backward, after it was "
                                "staged for its bucket's reduce-scatter (reentrant checkpointing?)")
         if b.staging is None:
             b.staging = torch.zeros(self.world_size * b.chunk, dtype=self.flat.dtype, device=self.flat.device)
@@ -290,10 +291,10 @@ class Zero2Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._pending or self._armed:
-            raise RuntimeError("zero2: step() while a backward's reduce-scatters are unfinished")
+            raise RuntimeError(f"{self.name}: step() while a backward's reduce-scatters are unfinished")
         stray = [self._fqns[i] for i, p in enumerate(self._params) if p.grad is not None]
         if stray:  # set outside backward: no hook staged them, and stepping would silently ignore them
-            raise RuntimeError(f"zero2: {', '.join(stray[:3])} hold a .grad set outside backward; zero2 reduces "
+            raise RuntimeError(f"{self.name}: {', '.join(stray[:3])} hold a .grad set outside backward; zero2 reduces "
                                "gradients only from backward's hooks")
         self._push_hyperparameters()
         # One small all-reduce per step carries both the per-parameter "got a gradient" counts and,
@@ -351,9 +352,9 @@ class Zero2Optimizer(torch.optim.Optimizer):
         unused = [self._fqns[i] for i in (has == 0).nonzero().flatten().tolist()]
         if unused:
             shown = ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else "")
-            raise ConfigError(f"zero2: parameter(s) {shown} got no gradient on any rank in a training step (unused, "
-                              "or in a branch not taken every step), which zero2's flat optimizer shard cannot skip "
-                              "as torch's optimizers do; use zero3 or fsdp, or zero1 / ddp with "
+            raise ConfigError(f"{self.name}: parameter(s) {shown} got no gradient on any rank in a training step "
+                              "(unused, or in a branch not taken every step), which zero2's flat optimizer shard "
+                              "cannot skip as torch's optimizers do; use zero3 or fsdp, or zero1 / ddp with "
                               "find_unused_parameters=True")
 
     def zero_grad(self, set_to_none: bool = True) -> None:

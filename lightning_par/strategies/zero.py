@@ -27,7 +27,9 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_par.parallel.disk_offload import FileTier, PagedOptimizer, check_offload_dir, disk_bytes_needed
+from lightning_par.parallel.disk_offload import (FileTier, PagedOptimizer, check_offload_dir, disk_bytes_needed,
+                                                fmt_size)
+from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.parallel.zero import COLLECTIVES, Zero2Optimizer, make_zero1_optimizer
 from lightning_par.strategies.base import ShardedStrategy
@@ -99,39 +101,50 @@ class Zero2Strategy(ShardedStrategy):
         super().__init__(activation_checkpointing=activation_checkpointing,
                          process_group_backend=process_group_backend, timeout=timeout, sync_batchnorm=sync_batchnorm)
         if collectives not in ("auto", *COLLECTIVES):
-            raise ValueError(f"zero2: collectives must be one of auto, {', '.join(COLLECTIVES)}; got {collectives!r}")
+            raise ValueError(f"{self.strategy_name}: collectives must be one of auto, {', '.join(COLLECTIVES)}; "
+                             f"got {collectives!r}")
         self.bucket_cap_mb = bucket_cap_mb
         self.collectives = collectives
+
+    def cost_options(self) -> CostOptions:
+        return replace(super().cost_options(), zero2_collectives=self.zero2_collectives)
 
     @property
     def zero2_collectives(self) -> str:
         """The collectives the optimizer runs: ``collectives``, ``auto`` resolved by the process group's backend."""
         if self.collectives != "auto":
             return self.collectives
-        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        backend = self.process_group_backend
+        if backend is None:  # before launch (the estimator asks) there are no devices yet: the default GPU's
+            devices = self.parallel_devices
+            cuda = devices[0].type == "cuda" if devices else torch.cuda.is_available()
+            backend = "nccl" if cuda else "gloo"
         return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         super().validate_setup(world_size, module)
         kinds = {(p.dtype, p.device.type) for p in module.parameters() if p.requires_grad}
         if len(kinds) > 1:
-            raise ValueError(f"zero2 flattens all parameters into one buffer, but {type(module).__name__} mixes "
-                             f"{sorted(str(d) for d, _ in kinds)}; use strategy=zero3 or fsdp")
+            raise ValueError(f"{self.strategy_name}: zero2 flattens all parameters into one buffer, but "
+                             f"{type(module).__name__} mixes {sorted(str(d) for d, _ in kinds)}; use strategy=zero3 "
+                             "or fsdp")
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         clip = trainer.gradient_clip_val
         if clip and trainer.gradient_clip_algorithm not in (None, "norm"):  # None: Lightning's default, norm
-            raise ValueError("zero2 clips by the global norm only; use trainer.gradient_clip_algorithm=norm")
+            raise ValueError(f"{self.strategy_name}: zero2 clips by the global norm only; use "
+                             "trainer.gradient_clip_algorithm=norm")
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("zero2 frees each parameter's .grad into its reduce-scatter bucket, where fp16's loss "
-                             "scaler cannot unscale it; use trainer.precision=bf16-mixed, or strategy=zero1 / zero3")
+            raise ValueError(f"{self.strategy_name}: zero2 frees each parameter's .grad into its reduce-scatter "
+                             "bucket, where fp16's loss scaler cannot unscale it; use trainer.precision=bf16-mixed, "
+                             "or strategy=zero1 / zero3")
         group = self.device_mesh.get_group("dp_shard")
         for i, opt in enumerate(list(self.optimizers)):
             self._replace_optimizer(i, Zero2Optimizer(opt, self.lightning_module, process_group=group,
                                                       max_grad_norm=float(clip) if clip else None,
                                                       bucket_cap_mb=self.bucket_cap_mb,
-                                                      collectives=self.zero2_collectives))
+                                                      collectives=self.zero2_collectives, name=self.strategy_name))
         _skip_lightning_clipping(self.precision_plugin)
 
     def teardown(self) -> None:
@@ -269,6 +282,10 @@ class Zero3OffloadStrategy(Zero3Strategy):
         self.offload_chunk_mb = offload_chunk_mb
         self.disk_tier: FileTier | None = None
 
+
+    def cost_options(self) -> CostOptions:
+        return replace(super().cost_options(), disk_offload=self.offload_dir is not None)
+
     def disk_bytes_per_rank(self, module: nn.Module, world_size: int, state_per_param: int = 8) -> int:
         """The disk tier's files of one rank: fp32 shards of the parameters and gradients, and
         ``state_per_param`` bytes of optimizer state per parameter (AdamW's m and v: 8)."""
@@ -283,7 +300,10 @@ class Zero3OffloadStrategy(Zero3Strategy):
                 raise ValueError(f"strategy.offload_chunk_mb={self.offload_chunk_mb!r}: expected a number > 0")
             nodes = max(1, int(getattr(self, "num_nodes", 1) or 1))
             ranks_here = -(-world_size // nodes)
-            check_offload_dir(self.offload_dir, ranks_here * self.disk_bytes_per_rank(module, world_size))
+            per_rank = self.disk_bytes_per_rank(module, world_size)
+            check_offload_dir(self.offload_dir, ranks_here * per_rank,
+                              what=f"{ranks_here} rank{'s' if ranks_here > 1 else ''} x {fmt_size(per_rank)} of "
+                                   "fp32 parameter and gradient shards and AdamW state")
 
     def techniques(self, module: nn.Module, resolved: Any) -> dict:
         out = super().techniques(module, resolved)
