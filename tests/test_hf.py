@@ -293,7 +293,7 @@ def test_missing_transformers_says_how_to_install():
             "sys.modules['transformers'] = None  # as if not installed\n"
             "try:\n    HFCausalLM()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "HFCausalLM needs transformers: pip install lightning_par[hf]", out.stderr
+    assert out.stdout.strip() == "HFCausalLM needs transformers: pip install 'lightning_par[hf]'", out.stderr
 
 
 def test_realistic_preset_size():

@@ -117,7 +117,9 @@ def test_tied_embedding_and_head_are_tiled_together(named):
     assert len(list(model.parameters())) == 4
     ids = torch.randint(0, 24, (3, 11))
     y_ref, y = ref["head"](ref["emb"](ids)), head(emb(ids))
-    torch.testing.assert_close(y, y_ref, atol=0, rtol=0)
+    # a head tile is a matmul of its own: the CPU's BLAS may pick another kernel for the smaller shape and
+    # round differently (bit-equal on an earlier machine; 1.9e-6 absolute, 4.6e-5 relative on this one)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
     g = torch.randn_like(y)
     y_ref.backward(g)
     y.backward(g)

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_par.parallel.hf_plan import find_hf_model
-from lightning_par.strategies import checkpoint_checksums as checksums
+import lightning_par.strategies.checkpoint_checksums as checksums
 from lightning_par.strategies.checkpoint_errors import CheckpointError, CheckpointSaveError, _cause
 from lightning_par.strategies.lightning_file import check_lightning_file, load_lightning_file
 from lightning_par.parallel.materialize import canonical_name
