@@ -262,6 +262,10 @@ def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
         shape = _hf_preset_shape(name, seq_len)
         return shape.units()["total"], shape
     module = GPTModule(preset=name) if name in PRESETS else MoEModule(preset=name)
+    block = module.config.block_size
+    if seq_len is not None and seq_len > block:  # its learned position table: training refuses it too
+        raise ValueError(f"model={name} has {block} positions (block_size); a sequence of {seq_len} tokens does "
+                         f"not fit it: ask with --seq-len {block} or less")
     shape = Shape.of(module.config, seq_len)
     return shape.units()["total"], shape
 

@@ -25,7 +25,11 @@ def run_estimate(cfg: Any) -> str:
     ``lightning_par.facts`` (as training computes them); the model's shape from the module the model
     config builds. Optional keys: ``+estimate.device_memory=80`` (a fits column, in ``unit``),
     ``+estimate.unit=GB``, ``+estimate.params=7.5e9`` (a bare count instead of the model),
-    ``+estimate.device=cpu`` (default: cuda unless ``trainer.accelerator=cpu``).
+    ``+estimate.device=cpu`` (default: cuda unless ``trainer.accelerator=cpu``), ``+estimate.method``:
+    ``auto`` (default: the cost model's shape of the model where it has one -- our GPT and MoE, a Hugging
+    Face decoder of a family it prices, as the advisor prices them, so the two answer a question alike --
+    else one training step traced on fake tensors), ``shape`` or ``trace`` (a Hugging Face model's step
+    traced op by op, its own attention and MLP kernels included).
     Writes ``<run dir>/estimate.json`` (bytes). Raises ``ConfigError`` (one line) for bad input.
     """
     from lightning_par import ConfigError
@@ -49,7 +53,12 @@ def run_estimate(cfg: Any) -> str:
         micro = facts.micro_batch_size(gbs, dims.dp, int(cfg.trainer.get("accumulate_grad_batches", 1)))
         checkpointing = strategy.cost_options().recompute
         params = opts.get("params")
+        method = str(opts.get("method", "auto"))
+        if method not in ("auto", "shape", "trace"):
+            raise ValueError(f"estimate.method={method!r}; choose from: auto, shape, trace")
         shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
+        if shape is None and params is None and method != "trace":
+            shape = _hf_shape(cfg.model, cfg.data.get("seq_len"), required=method == "shape")
         # a model the estimator has no op-by-op shape for (Hugging Face, a user's module): one training
         # step traced on fake tensors per micro-batch size, when the module declares the contract
         traces: dict[int, Any] = {}
@@ -120,6 +129,33 @@ def _row_comm(row: MemoryEstimate, strategy: Any, n_params: int, shape: Any, pre
                                shape=comm_shape(shape, micro, seq) if shape is not None else None,
                                accumulate=accumulate)
     except ValueError:
+        return None
+
+
+def _hf_shape(model_cfg: Any, seq_len: int | None, required: bool) -> Any:
+    """The cost model's ``Shape`` of the Hugging Face decoder ``model_cfg`` builds (``Shape.of_hf``, what the
+    advisor prices), or None: not a Hugging Face model, or a family the cost model has no shape for
+    (ValueError then, one line, when ``required``)."""
+    import torch
+
+    from lightning_par.costs.activations import Shape
+    from lightning_par.parallel.hf_plan import find_hf_model
+
+    module = _module(model_cfg)
+    with torch.device("meta"):
+        module.configure_model()
+    found = find_hf_model(module)
+    if found is None:
+        if required:
+            raise ValueError("estimate.method=shape: the cost model has no shape for "
+                             f"{type(module).__name__}; use estimate.method=trace")
+        return None
+    config = found[1].config
+    try:
+        return Shape.of_hf(config, int(seq_len) if seq_len else None)
+    except ValueError:
+        if required:
+            raise
         return None
 
 
