@@ -13,8 +13,8 @@ tensor-parallel plan, no pipeline plan, no experts, BatchNorm under a pipeline) 
 strategy (they apply to every model). Every refusal's advice must be followable (``advice_problems``):
 each strategy or option it names trains that family to parity here (an option of the refusing
 strategy, e.g. ``tp=1``, in a ``FOLLOW`` cell), and no line tells a family to do what it already does.
-The matrix is written as markdown and must equal the README's table (``MATRIX_START`` .. ``END``),
-so the README shows what this test measured.
+The matrix is written as markdown and must equal docs/huggingface.md's table (``MATRIX_START`` ..
+``END``), so the docs show what this test measured.
 
 ``sync_batchnorm``: the ResNet trains with ``Trainer(sync_batchnorm=True)`` under every strategy
 (parity is the global batch's statistics: each rank's own would give other losses); a Mixtral with
@@ -466,9 +466,9 @@ def test_every_family_under_every_strategy_matches_single_or_is_refused_in_one_l
     for fam in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt_neox", "gpt2", "opt", "mixtral",
                 "qwen2_moe"):
         assert outcome[(fam, "lp_tensor_parallel")] == "parity", (fam, reasons[(fam, "lp_tensor_parallel")])
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "huggingface.md").read_text()
     start, end = readme.index("<!-- MATRIX_START -->"), readme.index("<!-- MATRIX_END -->")
-    assert readme[start:end].split("\n", 1)[1].strip() == table, "README's family matrix differs from the measured one"
+    assert readme[start:end].split("\n", 1)[1].strip() == table, "docs/huggingface.md's family matrix differs from the measured one"
 
 
 @pytest.mark.slow

@@ -101,8 +101,8 @@ def _one(model_type: str) -> tuple[str, str]:
 
 
 def readme_counts_match(outcome: dict[str, tuple[str, str]], pattern: str) -> None:
-    """With the transformers the README's counts were measured on, they are this walk's (``pattern``: a
-    regular expression over the README whose groups are total, parity, unbuildable, refused)."""
+    """With the transformers docs/huggingface.md's counts were measured on, they are this walk's (``pattern``:
+    a regular expression over that page whose groups are total, parity, unbuildable, refused)."""
     import re
     from pathlib import Path
 
@@ -112,9 +112,9 @@ def readme_counts_match(outcome: dict[str, tuple[str, str]], pattern: str) -> No
 
     if not transformers.__version__.startswith(MEASURED_WITH):
         return  # another transformers: other families, other counts; the outcome checks above still hold
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "docs" / "huggingface.md").read_text().split())
     m = re.search(pattern, readme)
-    assert m, f"README lacks the sentence {pattern!r}"
+    assert m, f"docs/huggingface.md lacks the sentence {pattern!r}"
     kinds = [kind for kind, _ in outcome.values()]
     got = (len(outcome), kinds.count("parity"), kinds.count("unbuildable"), kinds.count("refused"))
     assert tuple(int(g) for g in m.groups()) == got, (m.group(0), got)

@@ -1,6 +1,7 @@
-"""The README's "Use your own model" examples run as written: each ```python block of that section is
-saved as the file its first comment names and run with ``python <file>`` from an empty directory
-(Lightning starts the second rank by re-running the script, as it would for a user)."""
+"""The "Use your own model" examples (docs/your-model.md, linked from the README's section of that name)
+run as written: each ```python block of that page is saved as the file its first comment names and run
+with ``python <file>`` from an empty directory (Lightning starts the second rank by re-running the
+script, as it would for a user)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def readme_examples() -> dict[str, str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "your-model.md").read_text()
     section = text.split("## Use your own model", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     out = {}
@@ -30,6 +31,8 @@ def readme_examples() -> dict[str, str]:
 
 def test_readme_has_the_three_cases() -> None:
     assert sorted(readme_examples()) == ["my_lm.py", "my_tower.py", "my_train.py"]
+    readme = (ROOT / "README.md").read_text()  # the README's own section points at them
+    assert "](docs/your-model.md)" in readme.split("## Use your own model", 1)[1].split("\n## ", 1)[0]
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
-"""The README's recipes run as written (issue 20, part 4), scaled down to CPU and 2 or 4 ranks.
+"""The recipes (docs/huggingface.md) run as written (issue 20, part 4), scaled down to CPU and 2 or 4 ranks.
 
-The test makes the assets a user would bring, offline, as the README says to make them
+The test makes the assets a user would bring, offline, as that page says to make them
 (``lightning_par.tools.tiny_checkpoint``): a BPE tokenizer trained with the ``tokenizers`` library on
 local text, a tiny Llama and a tiny GPT-2 saved with ``save_pretrained`` together with that tokenizer (as
 a model directory usually holds both), and a jsonl corpus. Then every command of each ```bash block of
-the README's "Recipes" section runs in that directory, in order, exactly as written; each must exit 0,
+docs/huggingface.md's "Recipes" section runs in that directory, in order, exactly as written; each must exit 0,
 and the exported models must load in transformers.
 
 The README's "Fine-tune a pretrained checkpoint" section's first block runs the same way from an empty
@@ -26,16 +26,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# what the README's commands make: python -m lightning_par.tools.tiny_checkpoint llama --corpus corpus.jsonl,
+# what the recipes' commands make (docs/huggingface.md): python -m lightning_par.tools.tiny_checkpoint llama --corpus corpus.jsonl,
 # and ... gpt2 --arch gpt2
 ASSETS = ("import sys; from lightning_par.tools.tiny_checkpoint import tiny_checkpoint as make; out = sys.argv[1]; "
           "make(f'{out}/llama', 'llama', corpus=f'{out}/corpus.jsonl'); make(f'{out}/gpt2', 'gpt2')")
 
 
-def bash_blocks(heading: str) -> list[list[str]]:
-    """The commands of each ```bash block of the README section under ``heading`` (continuation lines
-    joined, comments dropped)."""
-    text = (ROOT / "README.md").read_text()
+def bash_blocks(heading: str, page: str = "README.md") -> list[list[str]]:
+    """The commands of each ```bash block of the section under ``heading`` of ``page`` (README.md, or a
+    docs/ page; continuation lines joined, comments dropped)."""
+    text = (ROOT / page).read_text()
     section = text.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
     blocks = []
     for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
@@ -49,8 +49,8 @@ def bash_blocks(heading: str) -> list[list[str]]:
 
 
 def recipes() -> list[str]:
-    """The commands of the README's Recipes section, in order."""
-    return [c for block in bash_blocks("Recipes") for c in block]
+    """The commands of the Recipes section (docs/huggingface.md), in order."""
+    return [c for block in bash_blocks("Recipes", "docs/huggingface.md") for c in block]
 
 
 def run_as_written(commands: list[str], cwd: Path, env: dict[str, str]) -> None:
