@@ -1,7 +1,9 @@
 """Entry of ranks 1..N-1 started by lightning_par's launcher: ``python -m lightning_par.child CONFIG``.
 
 It trains the one job described by the resolved config file (no Hydra, no sweep); the launcher has
-set LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. A failure prints nothing:
+set LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. The launching process checked
+the config's values before it started this rank (``config_values.check_config_values``, once per launch):
+``train(cfg, child=True)`` does not check them again, only what needs the built objects. A failure prints nothing:
 rank 0 reports every failure once, naming the rank (an error all ranks raised alike, such as a stop on
 a signal, is rank 0's own; this rank's own error goes to a file its launcher reads,
 ``jobs.record_rank_failure``). The exit status is nonzero: 128 + the signal after a stop on one, 1

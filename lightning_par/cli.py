@@ -341,7 +341,9 @@ _state = {"job_started": False}
 def _run(cfg: DictConfig) -> float | None:
     from lightning_par.config_values import check_config_values
 
-    check_config_values(cfg)  # every mode: each value's type and range, one line naming the key
+    # once per launch, before any rank starts (train.build and the child ranks do not check again): every
+    # value's type and range and the mode (config_values.MODES), one line naming the key
+    check_config_values(cfg)
     if cfg.mode == "estimate":
         from lightning_par.modes.estimate import run_estimate
 
@@ -352,9 +354,7 @@ def _run(cfg: DictConfig) -> float | None:
 
         find_batch_size(cfg)
         return None
-    if cfg.mode != "train":
-        raise ConfigError(f"unknown mode {cfg.mode!r}; choose from: train, estimate, find_batch_size")
-    from lightning_par.train import train
+    from lightning_par.train import train  # mode=train: check_config_values refused any other mode
 
     summary = train(cfg)
     return summary["final_loss"] if summary else None

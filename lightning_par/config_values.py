@@ -13,7 +13,8 @@ What the table checks and what it leaves, one place per concern:
 
 - **here**: each key's type and range on its own (``data.val_fraction`` in [0, 1), ``model.lr`` a
   positive finite number, step counts >= 1 where 0 would mean "never", clip values >= 0, ...);
-- **the constructors and checks that own a key** (``CHECKED_ELSEWHERE``, with where): names chosen
+- **the constructors and checks that own a key** (``CHECKED_ELSEWHERE``: key -> the callables that check
+  it, imported when first read, so a renamed or moved checker fails tests/test_config_values.py): names chosen
   from a list the code already spells out in one line (``model.optimizer``, ``scheduler.name``,
   ``strategy.schedule``, ...), the mesh strategies' ``pp``/``tp``/``ep`` (their constructors check
   type and range), FSDP's options (``FSDPOptions.check``: ``param_dtype``/``reduce_dtype`` against
@@ -30,15 +31,20 @@ module of the user's own keeps its keys' meanings to itself. A key that is absen
 Interpolated values (``model.seq_len: ${data.seq_len}``) are checked after every plain one, so the key
 the user set is the one named.
 
-Called once, first thing in ``train.build`` (``mode=train`` and ``mode=find_batch_size``, and again, at no
-cost, in each child rank). ``mode=estimate`` does not build the run and so is not checked by it yet.
+Called once per launch, by the launching process before any rank starts: the app's ``cli._run``, for every
+mode (train, find_batch_size, estimate; ``mode`` itself is checked here too, against ``MODES``). Nothing
+after it checks the table again: not ``train.build``/``train.train``, not the child ranks
+(``lightning_par.child``, which read the config the launcher checked and resolved), not
+``mode=find_batch_size``'s build; each of its tries is a launch of its own. What needs the built
+objects (``train.validate``, the constructors) still runs where they are built. A program that calls
+``train.train`` itself, without the app, calls ``check_config_values`` first.
 Entry layer: reads OmegaConf nodes (and Hydra's overrides); nothing below the app imports it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +52,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_par import ConfigError
 
-__all__ = ["CHECKED_ELSEWHERE", "ECHO_CHARS", "NOT_CHECKED", "TABLE", "Spec", "check_config_values", "coverage",
-           "echo", "leaf_keys"]
+__all__ = ["CHECKED_ELSEWHERE", "ECHO_CHARS", "MODES", "NOT_CHECKED", "TABLE", "Spec", "check_config_values",
+           "coverage", "echo", "leaf_keys"]
 
 #: the longest echo of a value in an error line
 ECHO_CHARS = 60
@@ -317,43 +323,99 @@ TABLE: dict[str, Spec] = {
     "logger.wandb.log_model": BOOL | exactly("all"),
 }
 
-#: keys whose value is checked, in one line naming the key, by the code that reads it -- not here
-CHECKED_ELSEWHERE: dict[str, str] = {
-    "mode": "cli._run (train, estimate, find_batch_size)",
-    "compile": "strategies.base.compile_fields",
-    "ckpt_path": "strategies.checkpoint.check_checkpoint (names the file)",
-    "trainer.precision": "train.validate (Lightning's precision names)",
-    "data.files": "TextDataModule._check_files (names the file)",
-    "data.tokenizer": "HFDatasetModule (loads it: names the directory)",
-    "data.field": "HFDatasetModule (the dataset's columns)",
-    "data.split": "HFDatasetModule (the dataset's splits)",
-    "data.path": "TokenFileDataModule (names the file: glob, header, size, corpus length) / HFDatasetModule",
-    "model.optimizer": "optim.OptimizerConfig (OPTIMIZERS)",
-    "model.preset": "GPTModule / MoEModule (their PRESETS)",
-    "model.gating": "models.moe.MoEConfig (GATINGS)",
-    "model.arch": "models.hf.hf_config (ARCHS)",
-    "model.attn_implementation": "models.hf.hf_config (ATTENTION)",
-    "model.pretrained": "models.pretrained (the directory and its tensors, checked against its config)",
-    "model.config.**": "transformers' own config (free-form fields)",
-    "scheduler.name": "optim.ScheduleConfig (SCHEDULES)",
-    "scheduler.lr_scaling": "optim.ScheduleConfig (LR_SCALING)",
-    "strategy.pp": "MeshParallelStrategy.__init__ (a positive integer or null)",
-    "strategy.tp": "MeshParallelStrategy.__init__ (a positive integer or null)",
-    "strategy.ep": "MeshParallelStrategy / ExpertParallelStrategy.__init__ (a positive integer)",
-    "strategy.data_parallel": "MeshParallelStrategy.__init__ (DATA_PARALLEL)",
-    "strategy.schedule": "MeshParallelStrategy.__init__ (parallel.pipeline.SCHEDULES)",
-    "strategy.balance": "MeshParallelStrategy.__init__ (BALANCE)",
-    "strategy.param_dtype": "FSDPOptions.check (lightning_par/dtypes.py)",
-    "strategy.reduce_dtype": "FSDPOptions.check (lightning_par/dtypes.py)",
-    "strategy.prefetch": "FSDPOptions.check (an integer >= 0)",
-    "strategy.units": "parallel.fsdp.resolve_units (blocks, a class name, a size or paths)",
-    "strategy.split_points": "the pipeline's cut (paths or indices of the model's layers)",
-    "strategy.tiling": "parallel.tiling (module path: tiles >= 2)",
-    "callbacks.guard.nonfinite": "callbacks.guard.RunGuard (NONFINITE_ACTIONS)",
-    "callbacks.checkpoint.dirpath": "train.check_writable",
-    "strategy.offload_dir": "Zero3OffloadStrategy.validate_setup (disk_offload.check_offload_dir: created, writable, room)",
-    "callbacks.export.max_shard_size": "export.size_bytes (5GB, 500MB, bytes)",
-}
+#: what ``mode`` may be: the app's jobs (``cli._run`` runs the one named)
+MODES = ("train", "estimate", "find_batch_size")
+
+
+def _checkers() -> dict[str, tuple[Callable[..., Any], ...]]:
+    """Key -> the callables (functions, classes, methods) that check its value, in one line naming the key,
+    where the code reads it -- not in ``TABLE``. References, not names: a checker renamed or moved breaks
+    this import (tests/test_config_values.py reads every entry)."""
+    from lightning_par.callbacks.guard import RunGuard
+    from lightning_par.data import TextDataModule, TokenFileDataModule
+    from lightning_par.data.hf_dataset import HFDatasetModule
+    from lightning_par.export import size_bytes
+    from lightning_par.models import GPTModule
+    from lightning_par.models.hf import HFCausalLM, hf_config
+    from lightning_par.models.moe import MoEConfig
+    from lightning_par.models.moe_module import MoEModule
+    from lightning_par.models.pretrained import pretrained_config
+    from lightning_par.optim import OptimizerConfig, ScheduleConfig
+    from lightning_par.parallel.disk_offload import check_offload_dir
+    from lightning_par.parallel.fsdp import resolve_units
+    from lightning_par.parallel.stages import resolve_split_points
+    from lightning_par.parallel.tiling import check_tiling, with_tied_partners
+    from lightning_par.strategies.base import compile_fields
+    from lightning_par.strategies.checkpoint import check_checkpoint
+    from lightning_par.strategies.composite import MeshParallelStrategy
+    from lightning_par.strategies.expert_parallel import ExpertParallelStrategy
+    from lightning_par.strategies.fsdp_options import FSDPOptions
+    from lightning_par.strategies.zero import Zero3OffloadStrategy
+    from lightning_par.train import check_writable, validate
+
+    mesh = (MeshParallelStrategy.__init__,)  # a positive integer or null; its own lists of names
+    return {
+        "compile": (compile_fields,),
+        "ckpt_path": (check_checkpoint,),  # names the file
+        "trainer.precision": (validate,),  # Lightning's precision names
+        "data.files": (TextDataModule,),  # a glob that matches nothing, an unreadable or empty file: names it
+        "data.tokenizer": (HFDatasetModule,),  # loads it: names the directory
+        "data.field": (HFDatasetModule,),  # the dataset's columns
+        "data.split": (HFDatasetModule,),  # the dataset's splits
+        "data.path": (TokenFileDataModule, HFDatasetModule),  # names the file: glob, header, size, corpus length
+        "model.optimizer": (OptimizerConfig,),  # OPTIMIZERS
+        "model.preset": (GPTModule, MoEModule),  # their PRESETS
+        "model.gating": (MoEConfig,),  # GATINGS
+        "model.arch": (hf_config,),  # ARCHS
+        "model.attn_implementation": (hf_config,),  # ATTENTION
+        "model.pretrained": (pretrained_config,),  # the directory and its tensors, against its config
+        "model.config.**": (HFCausalLM,),  # free-form fields of transformers' own config
+        "scheduler.name": (ScheduleConfig,),  # SCHEDULES
+        "scheduler.lr_scaling": (ScheduleConfig,),  # LR_SCALING
+        "strategy.pp": mesh,
+        "strategy.tp": mesh,
+        "strategy.ep": (MeshParallelStrategy.__init__, ExpertParallelStrategy.__init__),  # a positive integer
+        "strategy.data_parallel": mesh,  # DATA_PARALLEL
+        "strategy.schedule": mesh,  # parallel.pipeline.SCHEDULES
+        "strategy.balance": mesh,  # BALANCE
+        "strategy.param_dtype": (FSDPOptions.check,),  # lightning_par/dtypes.py
+        "strategy.reduce_dtype": (FSDPOptions.check,),  # lightning_par/dtypes.py
+        "strategy.prefetch": (FSDPOptions.check,),  # an integer >= 0
+        "strategy.units": (resolve_units,),  # blocks, a class name, a size or paths
+        "strategy.split_points": (resolve_split_points,),  # paths or indices of the model's layers
+        "strategy.tiling": (check_tiling, with_tied_partners),  # module path: tiles >= 2, against the meta model
+        "callbacks.guard.nonfinite": (RunGuard,),  # NONFINITE_ACTIONS
+        "callbacks.checkpoint.dirpath": (check_writable,),
+        "strategy.offload_dir": (Zero3OffloadStrategy.validate_setup, check_offload_dir),  # created, writable, room
+        "callbacks.export.max_shard_size": (size_bytes,),  # 5GB, 500MB, bytes
+    }
+
+
+class _Checkers(Mapping):
+    """``_checkers()``, imported when first read (importing this module stays light: the app checks a config
+    for ``mode=estimate`` too, which builds no strategy or model)."""
+
+    def __init__(self) -> None:
+        self._table: dict[str, tuple[Callable[..., Any], ...]] | None = None
+
+    def _get(self) -> dict[str, tuple[Callable[..., Any], ...]]:
+        if self._table is None:
+            self._table = _checkers()
+        return self._table
+
+    def __getitem__(self, key: str) -> tuple[Callable[..., Any], ...]:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+#: keys whose value is checked, in one line naming the key, by the code that reads it -- not here: key -> the
+#: callables that check it (``mode``: ``check_config_values`` itself, against ``MODES``)
+CHECKED_ELSEWHERE: Mapping[str, tuple[Callable[..., Any], ...]] = _Checkers()
 
 #: keys without a type or range to check (free text, paths checked by use, Hydra plumbing); ``*``: any one
 #: part of the key, ``**``: any number of parts
@@ -387,6 +449,9 @@ def check_config_values(cfg: DictConfig) -> None:
     for key, spec, value in later:
         if not spec.test(value):
             _refuse(key, spec, value, given)
+    mode = cfg.get("mode", "train")
+    if mode not in MODES:  # the app's own words for it since before the table
+        raise ConfigError(f"unknown mode {mode!r}; choose from: {', '.join(MODES)}")
 
 
 def _missing(cfg: DictConfig) -> list[str]:
@@ -504,8 +569,10 @@ def matches(key: str, pattern: str) -> bool:
 
 
 def coverage(key: str) -> str | None:
-    """Where ``key`` is checked: ``"table"``, ``"elsewhere"``, ``"not checked"``; None: nowhere yet."""
-    for where, patterns in (("table", TABLE), ("elsewhere", CHECKED_ELSEWHERE), ("not checked", NOT_CHECKED)):
+    """Where ``key`` is checked: ``"table"`` (``mode`` too: ``MODES``), ``"elsewhere"``, ``"not checked"``; None:
+    nowhere yet."""
+    for where, patterns in (("table", (*TABLE, "mode")), ("elsewhere", CHECKED_ELSEWHERE),
+                            ("not checked", NOT_CHECKED)):
         if any(matches(key, p) for p in patterns):
             return where
     return None

@@ -162,10 +162,9 @@ def check_vocabulary(model: Any, datamodule: Any) -> None:
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate every part of a run from its config (no processes started)."""
-    from lightning_par.config_values import check_config_values
-
-    check_config_values(cfg)  # every value's type and range (config_values.TABLE), one line naming the key
+    """Instantiate every part of a run from its config (no processes started). ``cfg`` is checked already:
+    each value's type and range (``config_values.check_config_values``) once per launch, by the launching
+    process (``cli._run``) before any rank starts -- not again here, nor in the child ranks."""
     try:
         from lightning_par.tiling_option import pop_tiling, set_tiling
 
@@ -209,7 +208,10 @@ def set_compile(strategy: Any, option: Any) -> None:
 
 
 def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
-    """Validate, instantiate and fit one run; returns the run summary on global rank 0."""
+    """Validate, instantiate and fit one run; returns the run summary on global rank 0. ``cfg``'s values
+    were checked by the launch (``config_values.check_config_values``, in ``cli._run``; a program of its own
+    calls it first): this runs only the checks that need the built objects (``validate``, and on the
+    launching rank the memory, run-directory and checkpoint checks)."""
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)  # same seed: same weights on every rank
     parts = build(cfg)
     strategy = parts["strategy"]

@@ -5,6 +5,7 @@ already checks it, or free text)."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -221,32 +222,123 @@ def test_every_key_of_every_shipped_config_is_declared():
     assert not set(TABLE) & set(CHECKED_ELSEWHERE)  # one place per key
 
 
-# the keys CHECKED_ELSEWHERE names a strategy constructor (or FSDPOptions.check) for: there, one line naming them
+def test_checked_elsewhere_names_callables_not_places():
+    """Each key left to the code that reads it names that code as references (functions, classes, methods),
+    resolved by importing them: a checker renamed or moved fails here, not silently in a string."""
+    assert len(CHECKED_ELSEWHERE) >= 30
+    for key, checkers in CHECKED_ELSEWHERE.items():
+        assert isinstance(checkers, tuple) and checkers, key
+        for checker in checkers:
+            assert callable(checker) and not isinstance(checker, str), (key, checker)
+            module = inspect.getmodule(checker)
+            assert module is not None and module.__name__.startswith("lightning_par."), (key, checker)
+            owner = module  # reachable by its own name from its module: a real, importable place
+            for part in checker.__qualname__.split("."):
+                owner = getattr(owner, part)
+            assert owner is checker, (key, checker)
+
+
+def _codes(checker) -> set:
+    """The code objects that run a checker: a function's own, or every method a class defines."""
+    if inspect.isclass(checker):
+        return {f.__code__ for f in vars(checker).values() if inspect.isfunction(f)}
+    return {checker.__code__}
+
+
+def _frames(error: BaseException) -> set:
+    """Every code object on the tracebacks of ``error`` and the errors it wraps (Hydra's, build's one line)."""
+    seen, codes, todo = set(), set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            codes.add(tb.tb_frame.f_code)
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
+    return codes
+
+
+# keys CHECKED_ELSEWHERE leaves to their checkers, proven by building: the table lets the value through, the
+# run's build (train.build, then train.validate as a launch runs it) refuses it in one line, and the refusal
+# passes through one of the callables CHECKED_ELSEWHERE names for that key
 ELSEWHERE = [
-    (("strategy=3d", "strategy.pp=0"), "pp"),
-    (("strategy=fsdp_tp", "strategy.tp=abc"), "tp"),
-    (("strategy=pipeline", "strategy.ep=0"), "ep"),
-    (("strategy=expert_parallel", "strategy.ep=-1"), "ep"),
-    (("strategy=3d", "strategy.data_parallel=shard"), "data_parallel"),
-    (("strategy=pipeline", "strategy.schedule=zigzag"), "schedule"),
-    (("strategy=pipeline", "strategy.balance=luck"), "balance"),
-    (("strategy=fsdp", "strategy.param_dtype=bf8"), "param_dtype"),
-    (("strategy=zero3", "strategy.reduce_dtype=fp4"), "reduce_dtype"),
-    (("strategy=fsdp", "strategy.prefetch=-1"), "prefetch"),
+    (("strategy=3d", "strategy.pp=0"), "strategy.pp", "pp"),
+    (("strategy=fsdp_tp", "strategy.tp=abc"), "strategy.tp", "tp"),
+    (("strategy=pipeline", "strategy.ep=0"), "strategy.ep", "ep"),
+    (("strategy=expert_parallel", "strategy.ep=-1"), "strategy.ep", "ep"),
+    (("strategy=3d", "strategy.data_parallel=shard"), "strategy.data_parallel", "data_parallel"),
+    (("strategy=pipeline", "strategy.schedule=zigzag"), "strategy.schedule", "schedule"),
+    (("strategy=pipeline", "strategy.balance=luck"), "strategy.balance", "balance"),
+    (("strategy=fsdp", "strategy.param_dtype=bf8"), "strategy.param_dtype", "param_dtype"),
+    (("strategy=zero3", "strategy.reduce_dtype=fp4"), "strategy.reduce_dtype", "reduce_dtype"),
+    (("strategy=fsdp", "strategy.prefetch=-1"), "strategy.prefetch", "prefetch"),
+    (("model.optimizer=lion",), "model.optimizer", "lion"),
+    (("model.preset=gpt9",), "model.preset", "gpt9"),
+    (("model=moe_tiny", "+model.gating=relu"), "model.gating", "gating"),
+    (("scheduler.name=cyclic",), "scheduler.name", "cyclic"),
+    (("scheduler.lr_scaling=cubic",), "scheduler.lr_scaling", "lr_scaling"),
+    (("compile=fast",), "compile", "compile="),
+    (("+strategy.tiling={net.lm_head:1}",), "strategy.tiling", "strategy.tiling"),
+    (("callbacks.guard.nonfinite=explode",), "callbacks.guard.nonfinite", "nonfinite"),
+    (("trainer.precision=fp8",), "trainer.precision", "fp8"),
+    (("data.files=/nonexistent/*.txt",), "data.files", "/nonexistent/"),
+    (("model=hf_llama_tiny", "model.arch=bogus"), "model.arch", "bogus"),
+    (("model=hf_llama_tiny", "+model.attn_implementation=flash"), "model.attn_implementation", "flash"),
+    (("callbacks.export.max_shard_size=huge",), "callbacks.export.max_shard_size", "huge"),
 ]
+# the rest need a file, a directory, a tokenizer or a world of ranks to refuse a value: their checkers are
+# resolved above (test_checked_elsewhere_names_callables_not_places) and exercised by their own tests
+BY_USE = {"ckpt_path", "data.tokenizer", "data.field", "data.split", "data.path", "model.pretrained", "model.config.**",
+          "strategy.units", "strategy.split_points", "strategy.offload_dir", "callbacks.checkpoint.dirpath"}
 
 
-@pytest.mark.parametrize("overrides,key", ELSEWHERE, ids=[c[0][-1] for c in ELSEWHERE])
-def test_keys_checked_by_their_constructor(overrides, key):
-    from lightning_par import facts
+def test_every_key_checked_elsewhere_is_proven_or_left_to_use():
+    built = {key for _, key, _ in ELSEWHERE}
+    assert not built & BY_USE and built | BY_USE == set(CHECKED_ELSEWHERE), \
+        sorted(set(CHECKED_ELSEWHERE) ^ (built | BY_USE))
 
-    cfg = composed(*overrides)
+
+@pytest.mark.parametrize("overrides,key,named", ELSEWHERE, ids=[c[0][-1] for c in ELSEWHERE])
+def test_keys_checked_by_their_constructor(overrides, key, named, tmp_path):
+    from lightning_par.train import build, validate
+
+    assert key in CHECKED_ELSEWHERE and key not in TABLE
+    cfg = composed("experiment=quick", *overrides, tmp=tmp_path)
     check_config_values(cfg)  # not the table's: no second check of the same thing
     with pytest.raises((ConfigError, ValueError)) as info:
-        strategy, _ = facts.strategy_of(cfg.strategy)  # as train.build instantiates it
-        strategy.fsdp_options.check(type(strategy).__name__)  # FSDP's options: train.validate's validate_setup
+        parts = build(cfg)
+        validate(cfg, parts["strategy"], parts["model"], parts["datamodule"])
+        parts["strategy"].fsdp_options.check(type(parts["strategy"]).__name__)  # as validate_setup does with a world
     line = str(info.value)
-    assert "\n" not in line and key in line, line
+    assert "\n" not in line and named in line, line
+    ran = _frames(info.value)
+    assert any(_codes(c) & ran for c in CHECKED_ELSEWHERE[key]), (key, line, CHECKED_ELSEWHERE[key])
+
+
+def test_the_launch_checks_the_config_once(tmp_path, monkeypatch):
+    """One launch, one table check: the app's _run checks before anything is built; train (its build and
+    validate) does not check again, nor does a child rank's train(cfg, child=True)."""
+    from lightning_par import cli, config_values
+
+    calls = []
+    real = config_values.check_config_values
+    monkeypatch.setattr(config_values, "check_config_values", lambda cfg: (calls.append(1), real(cfg))[1])
+    fast = ("experiment=quick", "trainer.max_steps=1", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false")
+    cli._run(composed(*fast, tmp=tmp_path / "launch"))
+    assert len(calls) == 1
+    from lightning_par.train import train
+
+    train(composed(*fast, tmp=tmp_path / "child"), child=True)  # what lightning_par.child runs on ranks 1..N-1
+    assert len(calls) == 1
+
+
+def test_mode_is_checked_with_the_table():
+    with pytest.raises(ConfigError, match=r"^unknown mode 'serve'; choose from: train, estimate, find_batch_size$"):
+        check_config_values(composed("experiment=quick", "mode=serve"))
+    assert coverage("mode") == "table"
 
 
 # end to end: run.py prints exactly one error: line naming the key, no traceback, and fails
