@@ -55,7 +55,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_par.costs import comm as comm_model
-from lightning_par.costs.activations import Shape, block_linears, dtypes, hf_model, hf_plan, module_paths
+from lightning_par.costs.activations import dtypes
+from lightning_par.costs.counting import block_linears, hf_model, hf_plan, module_paths
+from lightning_par.costs.shape import Shape
 from lightning_par.costs.step_time import Device, StepTime, step_time
 from lightning_par.estimate import GIB, MemoryEstimate, bytes_per_param, estimate, layout
 from lightning_par.strategies.catalog import CATALOG, Fleet, Layout, Option, StrategyEntry
@@ -297,7 +299,7 @@ def describe(shape: Shape) -> list[str]:
     attention = (f"{shape.n_head} attention heads, {shape.n_kv_heads} key/value heads (grouped-query)"
                  if shape.n_kv_heads != shape.n_head else f"{shape.n_head} attention heads (full multi-head)")
     if shape.hf:
-        from lightning_par.costs.activations import hf_model
+        from lightning_par.costs.counting import hf_model
 
         what = f"{shape.hf_arch} ({type(hf_model(shape)).__name__})"
         mlp = f"{'gated ' if shape.gated_mlp else ''}MLP {shape.inner} ({shape.hidden_act})"
@@ -344,7 +346,7 @@ class _Ask:
 
 def _hf_refusal(shape: Shape, lo: Layout) -> str:
     """Why the strategies would refuse ``lo`` for a Hugging Face model ("" where they run it), from
-    the plan the model declares (``costs.activations.hf_plan``: what ``parallel/hf_plan.py`` reads,
+    the plan the model declares (``costs.counting.hf_plan``: what ``parallel/hf_plan.py`` reads,
     the strategies' own source): tensor parallelism needs its tp_plan and a tp dividing the heads,
     key/value heads, MLP size and vocabulary; sequence parallelism needs the plan to name the norms
     between the splits (``parallel/tensor_parallel.check_sequence_parallel``; transformers' plans name
@@ -401,9 +403,7 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
     except ValueError:  # a layout the estimator does not price (tensor parallelism of an MoE model)
         return None
     u = shape.units()
-    cshape = comm_model.CommShape(shape.n_layer, shape.n_embd, shape.seq_len, micro, shape.vocab_size,
-                                  shape.mlp_ratio, shape.block_size, shape.bias, shape.n_moe_layers,
-                                  shape.n_experts, shape.top_k, model=shape if shape.hf else None)
+    cshape = comm_model.CommShape(shape=shape, micro_batch=micro)
     # gradients travel in the parameters' dtype (fp32 under autocast's bf16-mixed); gathers in
     # FSDP's param_dtype where the plan sets one
     param_bytes = int(bytes_per_param(ask.precision, optimizer)[1])
@@ -413,7 +413,7 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
         comm = comm_model.step_comm_bytes(
             e.name, n_params=u["total"], mesh=mesh, dtype_bytes=gather_bytes, shape=cshape,
             micro_batches=steps if pipelined else 1, schedule=lo.schedule, virtual_stages=lo.virtual_stages,
-            expert_params=shape.n_moe_layers * u.get("moe_experts", 0), data_parallel=lo.data_parallel,
+            expert_params=shape.expert_params(), data_parallel=lo.data_parallel,
             activation_bytes=act_bytes, recompute=ask.checkpointing, sequence_parallel=lo.sequence_parallel,
             accumulate=1 if pipelined else steps,
             reduce_dtype_bytes=param_bytes if gather_bytes != param_bytes else None)
@@ -602,7 +602,7 @@ def _disk_offload(fleet: Fleet, ask: _Ask, micro: int) -> list[Candidate]:
 
 def tiling_plan(shape: Shape, tiles: int) -> dict[str, int] | None:
     """``strategy.tiling`` for every block's matmuls, the output head and the vocabulary embedding in
-    ``tiles`` tiles, by the model's own paths (``costs.activations.module_paths``: ``net.blocks.<i>``
+    ``tiles`` tiles, by the model's own paths (``costs.counting.module_paths``: ``net.blocks.<i>``
     in our GPT, ``net.model.layers.<i>`` in a Hugging Face Llama); None where ``tiles`` does not divide
     a layer's output features. A Hugging Face model's head and embedding are named only where
     ``parallel/tiling.py`` itself would tile them (``_vocab_tileable``: a tied pair only where it tiles

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.shape import Shape
 from lightning_par.costs.peak import Layout, step_peak, zero2_staged
 from lightning_par.costs.states import (
     OPTIMIZERS,
@@ -235,7 +235,8 @@ def _row_name(r: MemoryEstimate) -> str:
 
 
 def _resolve(model: Any, shape: Shape | None) -> tuple[int, Shape | None]:
-    """(Ψ, shape) from a count, a preset name, a ``Shape`` or a ``GPTConfig``-like object."""
+    """(Ψ, shape) from a count, a preset name, a ``Shape`` or a config (``Shape.of``: a ``GPTConfig`` /
+    ``MoEConfig`` or a transformers config)."""
     if isinstance(model, str):
         psi, preset_shape = model_shape(model)
         return psi, shape or preset_shape
@@ -266,7 +267,7 @@ def model_shape(name: str, seq_len: int | None = None) -> tuple[int, Shape]:
     if seq_len is not None and seq_len > block:  # its learned position table: training refuses it too
         raise ValueError(f"model={name} has {block} positions (block_size); a sequence of {seq_len} tokens does "
                          f"not fit it: ask with --seq-len {block} or less")
-    shape = Shape.of(module.config, seq_len)
+    shape = Shape.of_model(module, seq_len)
     return shape.units()["total"], shape
 
 
@@ -280,13 +281,13 @@ def preset_names() -> list[str]:
 
 def hf_presets() -> tuple[str, ...]:
     """The ``conf/model`` configs that build a Hugging Face decoder the estimator has a shape for
-    (``models/hf.py``'s ``HFCausalLM`` of an architecture in ``costs.activations.HF_ARCHS``): read
+    (``models/hf.py``'s ``HFCausalLM`` of an architecture in ``costs.shape.HF_ARCHS``): read
     from the YAML files themselves, following each one's ``defaults`` within the model group."""
     from importlib.resources import files
 
     from omegaconf import OmegaConf
 
-    from lightning_par.costs.activations import HF_ARCHS
+    from lightning_par.costs.shape import HF_ARCHS
 
     group = files("lightning_par.conf") / "model"
 
@@ -304,7 +305,7 @@ def hf_presets() -> tuple[str, ...]:
 def _hf_preset_shape(name: str, seq_len: int | None) -> Shape:
     """The shape of the Hugging Face model ``model=<name>`` builds: the app's config composed with that
     override (and ``data.seq_len``), the model instantiated as a run does (``HFCausalLM`` makes the
-    transformers config; no layer is built), its config read (``Shape.of_hf``)."""
+    transformers config; no layer is built), its shape as it declares it (``cost_shape``: ``Shape.of_hf``)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
@@ -321,7 +322,7 @@ def _hf_preset_shape(name: str, seq_len: int | None) -> Shape:
         cause = e.__cause__ or e
         raise ValueError(f"model={name}: {type(cause).__name__}: {cause}") from None
     # without seq_len: the longest sequence the model takes (max_positions; the tiny presets tie it to data.seq_len)
-    return Shape.of_hf(module.hf_config, seq_len)
+    return Shape.of_model(module, seq_len)
 
 
 def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int], accumulate: int = 1) -> Layout:

@@ -101,11 +101,12 @@ def mesh_of(strategy: Any, world: int):
 
 
 def gpt_shape(model_cfg: Any, seq_len: int | None = None):
-    """The ``costs.activations.Shape`` of the GPT or MoE decoder that ``model_cfg`` builds (None for
-    other models)."""
+    """The ``costs.shape.Shape`` of the GPT or MoE decoder that ``model_cfg`` builds, as the module
+    declares it (``cost_shape``, read by ``Shape.of_model``) at ``seq_len`` (default: the module's);
+    None for other models."""
     from hydra.utils import instantiate
 
-    from lightning_par.costs.activations import Shape
+    from lightning_par.costs.shape import Shape
     from lightning_par.models.module import GPTModule
 
     target = str(model_cfg.get("_target_", ""))
@@ -117,4 +118,4 @@ def gpt_shape(model_cfg: Any, seq_len: int | None = None):
         cause = e.__cause__ or e
         raise ConfigError(f"{type(cause).__name__}: {cause}") from None
     assert isinstance(module, GPTModule)
-    return Shape.of(module.config, seq_len or module.seq_len)
+    return Shape.of_model(module, seq_len or module.seq_len)

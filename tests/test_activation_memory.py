@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_par.costs.activations import Shape, attention_kernel
+from lightning_par.costs.activations import attention_kernel
+from lightning_par.costs.shape import Shape
 from lightning_par.estimate import estimate
 from lightning_par.models.gpt import GPT
 from lightning_par.parallel.checkpointing import apply_activation_checkpointing

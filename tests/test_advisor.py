@@ -20,7 +20,7 @@ import torch
 
 from lightning_par.advisor import Cluster, advise
 from lightning_par.modes.advise import main
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.shape import Shape
 from lightning_par.estimate import GIB, model_shape
 
 pytestmark = pytest.mark.timeout(600)

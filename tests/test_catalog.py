@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_par.strategies  # noqa: F401 -- registers the strategies
 from tests.helpers import QUICK, ROOT, assert_losses_match
 from lightning_par.costs.comm import TRAFFIC_MODELS, CommShape, step_comm_bytes
+from lightning_par.costs.shape import Shape
 from lightning_par.strategies.catalog import CATALOG, entry, entry_of
 
 CONF = ROOT / "lightning_par/conf/strategy"
@@ -72,7 +73,7 @@ def test_registry_built_instances_and_meshes_follow_the_catalogue() -> None:
 
 
 def test_comm_model_dispatches_on_the_catalogue() -> None:
-    shape = CommShape(layers=2, hidden=8, seq=4, micro_batch=1, vocab=16)
+    shape = CommShape(shape=Shape(n_layer=2, n_embd=8, n_head=1, vocab_size=16, seq_len=4), micro_batch=1)
     # zero3, zero3_offload, fsdp and hsdp name one traffic model: the same bytes on the same mesh
     fsdp = [step_comm_bytes(e.name, n_params=100, mesh={"dp_shard": 4}, shape=shape) for e in CATALOG if e.comm == "fsdp"]
     assert len(fsdp) == 4 and all(c == fsdp[0] for c in fsdp) and fsdp[0]["all_gather"]["dp_shard"] == 800

@@ -22,6 +22,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_par.costs.comm import CommShape, step_comm_bytes
+from lightning_par.costs.shape import Shape
 from lightning_par.models.gpt import PRESETS, GPTConfig
 from tests.helpers import ROOT
 from tests.sweeps import by_strategy, four_ranks, long_parity, sweep, sweep_dir, two_ranks_accumulating
@@ -47,8 +48,7 @@ def shape_of(summary: dict) -> tuple[CommShape, int]:
     dp = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1)
     m = mesh.get("pp", 1) if mesh.get("pp", 1) > 1 else 1  # n_microbatches null: one per pipeline rank
     micro = summary["global_batch_size"] // dp // m
-    shape = CommShape(layers=cfg.n_layer, hidden=cfg.n_embd, seq=seq, micro_batch=micro, vocab=cfg.vocab_size,
-                      mlp_ratio=cfg.mlp_ratio, max_positions=cfg.block_size, bias=cfg.bias)
+    shape = CommShape(shape=Shape.of_gpt(cfg, seq), micro_batch=micro)
     return shape, m
 
 
@@ -275,7 +275,7 @@ def test_sweep_report_shows_comm(tmp_path):
 def test_comm_model_layouts_and_refusals():
     from lightning_par.costs.comm import bus_factor, predicted_seconds, total_bytes
 
-    shape = CommShape(layers=4, hidden=8, seq=4, micro_batch=2, vocab=16)
+    shape = CommShape(shape=Shape(n_layer=4, n_embd=8, n_head=1, vocab_size=16, seq_len=4), micro_batch=2)
     a = shape.activation_bytes(4)
     # zbv places stages r and 2p-1-r on rank r: the middle boundary stays on rank p-1 and costs nothing
     zbv = step_comm_bytes("pipeline", n_params=100, mesh={"pp": 2}, shape=shape, micro_batches=2, schedule="zbv",
@@ -300,7 +300,7 @@ def test_comm_model_layouts_and_refusals():
         cfg = GPTConfig(**{**PRESETS["gpt_tiny"], "bias": bias})
         with torch.device("meta"):
             n = len(list(GPT(cfg).parameters()))
-        gpt = CommShape(layers=cfg.n_layer, hidden=cfg.n_embd, seq=8, micro_batch=1, vocab=cfg.vocab_size, bias=bias)
+        gpt = CommShape(shape=Shape.of_gpt(cfg, 8), micro_batch=1)
         assert gpt.param_tensors() == n
         assert step_comm_bytes("zero2", n_params=10, mesh={"dp_shard": 2}, shape=gpt, grad_clip=True)["all_reduce"] \
             == {"dp_shard": 4 * (n + 1)}

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_par.costs.activations import Shape, in_flight_micro_batches
+from lightning_par.costs.activations import in_flight_micro_batches
 from lightning_par.costs.peak import step_peak, zero2_staged
+from lightning_par.costs.shape import Shape
 from lightning_par.costs.states import optimizer_state_bytes
 from lightning_par.estimate import (
     STRATEGIES,
@@ -229,7 +230,7 @@ def test_hf_preset_counts_are_the_transformers_models(name, total) -> None:
     assert shape.gated_mlp and shape.rms_norm and shape.tied and not shape.learned_positions
     assert layer.self_attn.k_proj.weight.shape[0] == shape.kv_width < shape.n_embd  # grouped-query attention
     norms = (2 * shape.n_layer + 1) * shape.n_embd
-    cs = CommShape(shape.n_layer, shape.n_embd, shape.seq_len, 1, shape.vocab_size, model=shape)
+    cs = CommShape(shape=shape, micro_batch=1)
     assert cs.tp_params(2) == (total - norms) // 2 + norms and cs.root_params() == u["embed"] + cfg.hidden_size
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.shape import Shape
 from lightning_par.estimate import estimate, model_shape
 from lightning_par.models.moe import PRESETS, MoEConfig, MoEGPT
 from tests.helpers import memtracker_step_peak
@@ -122,8 +122,7 @@ def _comm_and_states(s: dict, ep: int, data_parallel: str, accumulate: int = 1) 
     world = s["world_size"]
     seq = round(s["tokens_per_s"] / s["samples_per_s"])
     micro = s["global_batch_size"] // world // accumulate
-    shape = CommShape(cfg.n_layer, cfg.n_embd, seq, micro, cfg.vocab_size, moe_layers=cfg.n_moe_layers,
-                      n_experts=cfg.n_experts, top_k=cfg.top_k)
+    shape = CommShape(shape=Shape.of_gpt(cfg, seq), micro_batch=micro)
     model = step_comm_bytes("expert_parallel", n_params=cfg.n_params, mesh=s["mesh"], shape=shape,
                             expert_params=cfg.n_expert_params, data_parallel=data_parallel, accumulate=accumulate)
     ranks = s["comm"]["per_rank"]

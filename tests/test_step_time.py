@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.shape import Shape
 from lightning_par.costs.comm import step_comm_bytes
 from lightning_par.costs.step_time import Device, flops_per_token, step_time
 from lightning_par.models.gpt import GPT

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.shape import Shape
 from lightning_par.strategies.catalog import entry
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
@@ -35,80 +35,76 @@ def bus_factor(kind: str, n: int) -> float:
 
 @dataclass(frozen=True)
 class CommShape:
-    """The sizes activation collectives depend on (a GPT-style decoder, ``models/gpt.py``).
+    """The cost model's ``Shape`` (``costs/shape.py``) at one micro-batch: what activation collectives
+    and the parameter split depend on. Its sizes, parameter groups, norms and linears are the shape's
+    own (our GPT / MoE, or a Hugging Face decoder).
 
     micro_batch: sequences in one forward on one rank (for a pipeline: per pipeline micro-batch).
-    seq: tokens per sequence. max_positions: rows of the position table (None: ``seq``).
     """
 
-    layers: int
-    hidden: int
-    seq: int
+    shape: Shape
     micro_batch: int
-    vocab: int
-    mlp_ratio: int = 4
-    max_positions: int | None = None
-    bias: bool = True
-    # mixture of experts: routed MoE layers, experts per layer, experts per token
-    moe_layers: int = 0
-    n_experts: int = 0
-    top_k: int = 0
-    # the estimator's shape of another decoder than our GPT (a Hugging Face one: its parameters,
-    # tied head, norms and linears are its own); None: the GPT of the sizes above
-    model: Shape | None = None
 
     @property
-    def shape(self) -> Shape:
-        """The model's shape for the estimator (heads do not change parameter counts: one)."""
-        if self.model is not None:
-            return self.model
-        return Shape(self.layers, self.hidden, 1, self.vocab, self.seq, self.mlp_ratio, bias=self.bias,
-                     block_size=self.max_positions or self.seq)
+    def layers(self) -> int:
+        return self.shape.n_layer
 
-    # parameter groups of the GPT, counted from the model built on the meta device (``Shape.units``:
-    # the one parameter count) and split as its declared tensor-parallel plan splits them; a tied head
-    # shares its table with the embedding (both split alike, by vocabulary rows): counted once
+    @property
+    def hidden(self) -> int:
+        return self.shape.n_embd
+
+    @property
+    def seq(self) -> int:
+        """Tokens per sequence."""
+        return self.shape.seq_len
+
+    @property
+    def vocab(self) -> int:
+        return self.shape.vocab_size
+
+    @property
+    def moe_layers(self) -> int:
+        """Routed MoE layers (0: a dense model)."""
+        return self.shape.n_moe_layers
+
+    @property
+    def n_experts(self) -> int:
+        return self.shape.n_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.shape.top_k
+
     def tp_params(self, tp: int) -> int:
-        """Parameters one tensor-parallel rank holds: split matrices / tp, replicated rest in full."""
-        u = self.shape.units()
-        tied = u.get("tied", 0)
-        split = self.layers * u["block_tp_split"] + u["embed_tp_split"] + u["head_tp_split"] - tied
-        dense = u["embed"] + self.layers * u["block"] + u["head"] - tied
-        return split // tp + dense - split
+        """Parameters one tensor-parallel rank holds (``Shape.tp_params``)."""
+        return self.shape.tp_params(tp)
 
     def root_params(self, tp: int = 1) -> int:
-        """Parameters FSDP leaves to the root (no unit claims them): embeddings, final norm, head."""
-        u = self.shape.units()
-        tied = u.get("tied", 0)
-        split = u["embed_tp_split"] + u["head_tp_split"] - tied
-        return split // tp + u["embed"] + u["head"] - tied - split
+        """Parameters FSDP leaves to the root (``Shape.root_params``)."""
+        return self.shape.root_params(tp)
 
     def param_tensors(self) -> int:
-        """Parameter tensors of the dense GPT. MoE blocks are counted as dense ones: the count only
-        prices zero2's per-step 4-byte flags, a rounding error beside Ψ."""
-        u = self.shape.units()
-        return u["embed_tensors"] + self.layers * u["block_tensors"] + u["head_tensors"] - (1 if u.get("tied") else 0)
+        """Parameter tensors (``Shape.param_tensors``)."""
+        return self.shape.param_tensors()
 
     def activation_bytes(self, dtype_bytes: int) -> int:
         return self.micro_batch * self.seq * self.hidden * dtype_bytes
 
     @property
     def norm_params(self) -> int:
-        """Parameters of one LayerNorm (weight, and bias when the GPT has biases); an RMSNorm's weight."""
-        if self.model is not None and self.model.rms_norm:
-            return self.hidden
-        return self.hidden * (2 if self.bias else 1)
+        """Parameters of one norm (``Shape.norm_params``)."""
+        return self.shape.norm_params
 
     @property
     def colwise(self) -> int:
         """Column-parallel linears per layer, each all-reducing its input gradient in backward (our
         GPT: wq, wk, wv, fc; ``Shape.colwise_inputs``)."""
-        return self.model.colwise_inputs if self.model is not None else 4
+        return self.shape.colwise_inputs
 
     @property
     def position_table(self) -> bool:
         """A learned position table (its gradient is gathered from sequence slices under SP); not RoPE's."""
-        return self.model.learned_positions if self.model is not None else True
+        return self.shape.learned_positions
 
 
 def _add(out: dict, kind: str, axis: str, nbytes: float) -> None:
@@ -388,7 +384,7 @@ def _pipeline_dp(s: _Step, tp: int | None) -> None:
     mine = s.stage_params if s.stage_params is not None else (s.shape.tp_params(tp) if tp else s.P) // s.pp
     s.fsdp(mine, 0, "dp_shard", False)
     _add(s.out, "all_reduce", "dp_replicate", mine * s.b * (s.rep > 1))
-    tied = s.shape.shape.units().get("tied", 0) if s.shape is not None and s.shape.model is not None else 0
+    tied = s.shape.shape.units().get("tied", 0) if s.shape is not None else 0  # a Hugging Face tied head
     if tied and s.pp > 1:  # the first and last stages sum their copies' gradients (parallel/pipeline_ties.py)
         _add(s.out, "all_reduce", "pp", tied // (tp or 1) // max(1, s.shard) * s.b)
 

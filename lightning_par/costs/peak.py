@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_par.costs import activations as act
+from lightning_par.costs.counting import tiled_part
+from lightning_par.costs.shape import Shape
 from lightning_par.costs.states import bytes_per_param, disk_tier_resident, optimizer_state_bytes
 # what a rank holds is declared by the strategy catalogue; this module prices it
 from lightning_par.parallel.layout import GRAD_MODES, Layout  # noqa: F401 -- re-exported
@@ -48,7 +50,7 @@ class Peak:
         return max(0, self.peak - self.params - self.grads - self.optimizer_state - self.activations - self.shared_host)
 
 
-def step_peak(shape: act.Shape, layout: Layout, *, micro_batch_size: int, precision: str, optimizer: str,
+def step_peak(shape: Shape, layout: Layout, *, micro_batch_size: int, precision: str, optimizer: str,
               checkpointing: bool | str = False, device: str = "cuda") -> Peak:
     """Predicted per-rank bytes (the rank that holds the most: pipeline first or last stage).
     ``checkpointing``: False, True / ``"full"`` (every block keeps its input only) or ``"selective"``."""
@@ -60,7 +62,7 @@ def step_peak(shape: act.Shape, layout: Layout, *, micro_batch_size: int, precis
                 for role in stages), key=lambda r: r.peak)
 
 
-def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision: str, optimizer: str,
+def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str, optimizer: str,
                 ckpt: bool, device: str) -> Peak:
     u = shape.units()
     p, g, _ = bytes_per_param(precision, optimizer)
@@ -103,7 +105,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
     lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel,
                                    selective=selective)
     # a tiled linear is checkpointed tile by tile (parallel/parallelize.py): one tile's weight copy at a time
-    names = {part: v for k, v in lay.tiling.items() if (part := act.tiled_part(shape, k)) and part.startswith("block.")}
+    names = {part: v for k, v in lay.tiling.items() if (part := tiled_part(shape, k)) and part.startswith("block.")}
     matmul = u["block_matmul"] - sum(u[n] for n in names if n in u) + max([u[n] / k for n, k in names.items()
                                                                             if n in u] or [0])
     if shape.n_moe_layers:  # the average layer: an MoE layer multiplies by its router, shared expert and local experts
@@ -179,7 +181,7 @@ def _stage_peak(shape: act.Shape, lay: Layout, role: str, micro: int, precision:
                 int(on_disk), shared)
 
 
-def layer_params(shape: act.Shape, u: dict, lay: Layout) -> tuple[float, float, float]:
+def layer_params(shape: Shape, u: dict, lay: Layout) -> tuple[float, float, float]:
     """(dense parameters, routed-expert parameters) of the average layer on one rank, and the
     largest layer: a dense GPT's layers are all ``block``; in an MoE model every ``moe_every``-th
     block's MLP is the router, the routed experts (1/ep of them per rank under expert parallelism)
@@ -196,17 +198,17 @@ def layer_params(shape: act.Shape, u: dict, lay: Layout) -> tuple[float, float, 
 
 
 def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: float, embed: float,
-               head: float, shape: act.Shape | None = None) -> tuple[float, float]:
+               head: float, shape: Shape | None = None) -> tuple[float, float]:
     """(root unit, largest other unit) in parameters on one rank: the root holds what no unit claims
     (embedding, final norm, head); blocks are units; each tile of a tiled layer is a unit of its own
     (``parallel/tiling.py``: ``net.head.lm_head``, ``net.embed.tok`` or ``net.blocks.<i>.<path>``,
-    a Hugging Face model's own paths by ``shape``: ``costs/activations.tiled_part``; every block is
+    a Hugging Face model's own paths by ``shape``: ``costs/counting.tiled_part``; every block is
     assumed tiled alike)."""
     tp = lay.tp
     tiles, block_unit, root = [], block, embed + head
     shared, shared_done = u.get("tied", 0), False
     for path, k in lay.tiling.items():
-        part = act.tiled_part(shape, path) if shape is not None else act.tiled_part(_GPT, path)
+        part = tiled_part(shape, path) if shape is not None else tiled_part(_GPT, path)
         if part in ("head", "embed") and shared:
             # a tied table is tiled once, for both its uses, whichever is named (parallel/tiling.py): the
             # root held it once (or, on one pipeline stage, its copy)
@@ -229,7 +231,7 @@ def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: flo
 
 
 #: a GPT shape: ``fsdp_units`` called without one reads our GPT's tiling paths
-_GPT = act.Shape(1, 1, 1, 1, 1)
+_GPT = Shape(1, 1, 1, 1, 1)
 
 
 def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, full_layer, embed_saved, head_saved,

@@ -3,11 +3,11 @@ measured ``comm`` (``callbacks/comm.py``), with the same keys (``{kind: {axis: b
 rank, the busiest rank's).
 
 A Lightning callback of the estimates layer: it reads the built strategy (its catalogue entry,
-mesh, options), the model's shape where the model declares one (a GPT or MoE config: ``config``
-with ``n_layer``/``n_embd``/``vocab_size``), the micro-batch and sequence of the first training
-batch and the trainer's accumulation, and asks ``costs/comm.step_comm_bytes``. Strategies whose
-traffic depends on activations (tensor and pipeline parallelism) need the shape; without one the
-prediction is ``null`` and ``comm_predicted_note`` says why.
+mesh, options), the model's shape where the model declares one (``cost_shape``: ``GPTModule``,
+``MoEModule``, ``HFCausalLM`` of a family the cost model prices; ``costs/shape.Shape.of_model``), the
+micro-batch and sequence of the first training batch and the trainer's accumulation, and asks
+``costs/comm.step_comm_bytes``. Strategies whose traffic depends on activations (tensor and pipeline
+parallelism) need the shape; without one the prediction is ``null`` and ``comm_predicted_note`` says why.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import lightning as L
 
 from lightning_par import dtypes
 from lightning_par.costs.comm import CommShape, step_comm_bytes
+from lightning_par.costs.shape import Shape
 from lightning_par.strategies.catalog import entry_of
 
 
@@ -50,15 +51,13 @@ class CommPrediction(L.Callback):
         return out
 
 
-def comm_shape(config: Any, micro_batch: int, seq: int) -> CommShape | None:
-    """The comm model's shape of a GPT/MoE config (``models/gpt.py``, ``models/moe.py``); None for
-    another model."""
-    if not all(hasattr(config, k) for k in ("n_layer", "n_embd", "vocab_size")):
+def model_shape(pl_module: Any, seq: int) -> Shape | None:
+    """The shape ``pl_module`` declares (``Shape.of_model``) at sequence length ``seq``; None for a model
+    that declares none or one of a family the cost model does not price."""
+    try:
+        return Shape.of_model(pl_module, seq)
+    except ValueError:  # a Hugging Face family without an op-by-op shape: priced as a model without one
         return None
-    return CommShape(config.n_layer, config.n_embd, seq, micro_batch, config.vocab_size,
-                     getattr(config, "mlp_ratio", 4), getattr(config, "block_size", None), getattr(config, "bias", True),
-                     int(getattr(config, "n_moe_layers", 0) or 0), int(getattr(config, "n_experts", 0) or 0),
-                     int(getattr(config, "top_k", 0) or 0))
 
 
 def predict(trainer: L.Trainer, pl_module: L.LightningModule,
@@ -70,28 +69,31 @@ def predict(trainer: L.Trainer, pl_module: L.LightningModule,
     clip = trainer.gradient_clip_val
     return strategy_comm(strategy, mesh=dict(strategy.mesh_sizes),
                          n_params=int(facts.get("n_params", sum(p.numel() for p in pl_module.parameters()))),
-                         config=getattr(pl_module, "config", None), batch=batch, precision=str(trainer.precision),
+                         shape=model_shape(pl_module, batch[1]) if batch else None, batch=batch,
+                         precision=str(trainer.precision),
                          accumulate=int(trainer.accumulate_grad_batches), grad_clip=bool(clip and clip > 0))
 
 
-def strategy_comm(strategy: Any, *, mesh: dict[str, int], n_params: int, config: Any, batch: tuple[int, int] | None,
-                  precision: str, accumulate: int = 1, grad_clip: bool = False) -> dict[str, dict[str, int]]:
+def strategy_comm(strategy: Any, *, mesh: dict[str, int], n_params: int, shape: Shape | None,
+                  batch: tuple[int, int] | None, precision: str, accumulate: int = 1,
+                  grad_clip: bool = False) -> dict[str, dict[str, int]]:
     """``step_comm_bytes`` for a built strategy (its catalogue entry and options) on ``mesh``:
     ``batch`` is (sequences per rank per forward -- a pipeline's whole batch, split into its
-    micro-batches --, sequence length); ``config`` the model's (a GPT/MoE config gives the shape)."""
+    micro-batches --, sequence length); ``shape`` the model's at that sequence length (None: the
+    model declares none)."""
     found = entry_of(strategy)
     if found is None:
         raise ValueError(f"{type(strategy).__name__} is not in the strategy catalogue: no comm model")
     o = strategy.cost_options()
     n_micro = o.microbatches_for(mesh.get("pp", 1))
-    shape = comm_shape(config, batch[0] // n_micro, batch[1]) if batch and config is not None else None
+    comm = CommShape(shape=shape, micro_batch=batch[0] // n_micro) if batch and shape is not None else None
     pr = dtypes.precision(dtypes.canonical_precision(precision))
     gather = dtypes.parse_dtype(o.param_dtype, "param_dtype") if o.param_dtype else pr.param
     return step_comm_bytes(
-        found.name, n_params=n_params, mesh=mesh, dtype_bytes=dtypes.dtype_bytes(gather), shape=shape,
+        found.name, n_params=n_params, mesh=mesh, dtype_bytes=dtypes.dtype_bytes(gather), shape=comm,
         micro_batches=n_micro, reshard_after_forward=o.reshard_after_forward is not False, schedule=o.schedule,
         virtual_stages=o.virtual_stages, sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel,
-        grad_clip=grad_clip, expert_params=int(getattr(config, "n_expert_params", 0) or 0),
+        grad_clip=grad_clip, expert_params=shape.expert_params() if shape is not None else 0,
         data_parallel=o.data_parallel or "replicate", activation_bytes=dtypes.dtype_bytes(pr.compute),
         recompute=o.recompute, accumulate=accumulate, grad_sync=o.grad_sync,
         reduce_dtype_bytes=(dtypes.dtype_bytes(dtypes.parse_dtype(o.reduce_dtype, "reduce_dtype"))

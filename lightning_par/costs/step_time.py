@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_par.costs import comm as comm_model
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.shape import Shape
 
 #: the collective kinds each traffic model (``StrategyEntry.comm``) runs beside compute, on data axes
 #: (tensor-parallel and pipeline traffic is on the critical path whatever its kind)

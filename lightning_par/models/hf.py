@@ -204,6 +204,12 @@ class HFCausalLM(ParModule):
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
         return torch.zeros(batch_size, self.seq_len, dtype=torch.long, device=device)
 
+    def cost_shape(self, seq_len: int | None = None) -> dict[str, Any]:
+        """What the cost model prices this model by (``costs/shape.Shape.of_model`` reads it with
+        ``Shape.of_hf``, which refuses a family it has no op-by-op shape for): its transformers config at
+        ``seq_len`` tokens (None: the longest sequence the model takes)."""
+        return {"family": "hf", "config": self.hf_config, "seq_len": seq_len}
+
     def state_dict_keys(self) -> list[str]:
         return list(self._model().state_dict())
 

@@ -179,6 +179,12 @@ class GPTModule(ParModule):
     def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
         return torch.zeros(batch_size, self.seq_len, dtype=torch.long, device=device)
 
+    def cost_shape(self, seq_len: int | None = None) -> dict[str, Any]:
+        """What the cost model prices this model by (``costs/shape.Shape.of_model`` reads it; the models
+        sit below ``costs/``, so they name what to read): a GPT of this config (an ``MoEConfig``: its
+        experts too) at ``seq_len`` tokens (None: ``block_size``)."""
+        return {"family": "gpt", "config": self.config, "seq_len": seq_len or self.config.block_size}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The architecture rides in the checkpoint: ``lightning-par-export`` writes it as GPT-2."""
         if type(self.config) is GPTConfig:  # the MoE model's config is another architecture

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_par.advisor import Advice, Cluster, advise, describe
-from lightning_par.costs.activations import Shape
+from lightning_par.costs.shape import Shape
 from lightning_par.estimate import preset_names
 
 #: the longest default sequence for a config (``--seq-len`` unset): its max_position_embeddings, at most this

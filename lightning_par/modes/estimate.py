@@ -58,7 +58,7 @@ def run_estimate(cfg: Any) -> str:
             raise ValueError(f"estimate.method={method!r}; choose from: auto, shape, trace")
         shape = None if params is not None else facts.gpt_shape(cfg.model, cfg.data.get("seq_len"))
         if shape is None and params is None and method != "trace":
-            shape = _hf_shape(cfg.model, cfg.data.get("seq_len"), required=method == "shape")
+            shape = _declared_shape(cfg.model, cfg.data.get("seq_len"), required=method == "shape")
         # a model the estimator has no op-by-op shape for (Hugging Face, a user's module): one training
         # step traced on fake tensors per micro-batch size, when the module declares the contract
         traces: dict[int, Any] = {}
@@ -91,8 +91,8 @@ def run_estimate(cfg: Any) -> str:
                             micro_batch_size=micro))
         rows.sort(key=lambda r: [e.name for e in CATALOG].index(r.strategy))
         n_params = model if isinstance(model, int) else model.units()["total"]
-        comm = [_row_comm(r, strategy if r.strategy == name else None, n_params, shape, precision, accumulate,
-                          int(cfg.data.get("seq_len") or 0)) for r in rows]
+        comm = [_row_comm(r, strategy if r.strategy == name else None, n_params, shape, precision, accumulate)
+                for r in rows]
         table = "\n".join(notes + [estimate_table(model, rows=rows, device_memory=opts.get("device_memory"),
                                                    unit=str(opts.get("unit", "GiB")), micro_batch_size=micro,
                                                    traced=bool(traces), **kw)])
@@ -110,53 +110,48 @@ def run_estimate(cfg: Any) -> str:
     return table
 
 
-def _row_comm(row: MemoryEstimate, strategy: Any, n_params: int, shape: Any, precision: str, accumulate: int,
-              seq: int) -> dict[str, dict[str, int]] | None:
+def _row_comm(row: MemoryEstimate, strategy: Any, n_params: int, shape: Any, precision: str,
+              accumulate: int) -> dict[str, dict[str, int]] | None:
     """A row's predicted bytes per step and rank (``costs/comm.py``), keyed as summary.json's ``comm``:
     the configured strategy's with its own options, a family row's with the defaults; None where the
-    comm model does not cover it."""
-    from lightning_par.costs.comm import step_comm_bytes
-    from lightning_par.costs.run_prediction import comm_shape, strategy_comm
+    comm model does not cover it. ``shape``: the model's (``costs/shape.Shape``, at the sequence it
+    trains on), or None."""
+    from lightning_par.costs.comm import CommShape, step_comm_bytes
+    from lightning_par.costs.run_prediction import strategy_comm
     from lightning_par.costs.states import bytes_per_param
 
     micro = row.micro_batch_size or 1
     try:
         if strategy is not None:
-            return strategy_comm(strategy, mesh=row.mesh, n_params=n_params, config=shape, batch=(micro, seq),
+            return strategy_comm(strategy, mesh=row.mesh, n_params=n_params, shape=shape,
+                                 batch=(micro, shape.seq_len) if shape is not None else None,
                                  precision=precision, accumulate=accumulate)
         return step_comm_bytes(row.strategy, n_params=n_params, mesh=row.mesh,
                                dtype_bytes=int(bytes_per_param(precision, "adamw")[1]),
-                               shape=comm_shape(shape, micro, seq) if shape is not None else None,
+                               shape=CommShape(shape=shape, micro_batch=micro) if shape is not None else None,
                                accumulate=accumulate)
     except ValueError:
         return None
 
 
-def _hf_shape(model_cfg: Any, seq_len: int | None, required: bool) -> Any:
-    """The cost model's ``Shape`` of the Hugging Face decoder ``model_cfg`` builds (``Shape.of_hf``, what the
-    advisor prices), or None: not a Hugging Face model, or a family the cost model has no shape for
-    (ValueError then, one line, when ``required``)."""
-    import torch
-
-    from lightning_par.costs.activations import Shape
-    from lightning_par.parallel.hf_plan import find_hf_model
+def _declared_shape(model_cfg: Any, seq_len: int | None, required: bool) -> Any:
+    """The cost model's ``Shape`` the model ``model_cfg`` builds declares (``cost_shape``, read by
+    ``Shape.of_model``: a Hugging Face decoder's through ``Shape.of_hf``, what the advisor prices), or
+    None: a model that declares none, or of a family the cost model has no shape for (ValueError then,
+    one line, when ``required``)."""
+    from lightning_par.costs.shape import Shape
 
     module = _module(model_cfg)
-    with torch.device("meta"):
-        module.configure_model()
-    found = find_hf_model(module)
-    if found is None:
-        if required:
-            raise ValueError("estimate.method=shape: the cost model has no shape for "
-                             f"{type(module).__name__}; use estimate.method=trace")
-        return None
-    config = found[1].config
     try:
-        return Shape.of_hf(config, int(seq_len) if seq_len else None)
+        shape = Shape.of_model(module, int(seq_len) if seq_len else None)
     except ValueError:
         if required:
             raise
         return None
+    if shape is None and required:
+        raise ValueError("estimate.method=shape: the cost model has no shape for "
+                         f"{type(module).__name__}; use estimate.method=trace")
+    return shape
 
 
 def _module(model_cfg: Any) -> Any:
