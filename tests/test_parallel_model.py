@@ -162,7 +162,7 @@ def test_check_tp_divisible_and_matching() -> None:
 
 def _pipeline(model: nn.Module, schedule: str, v: int) -> Pipeline:
     """This rank's stages of ``model`` and their schedule, built as the pipeline strategy builds them
-    (``MeshParallelStrategy._cut`` and ``_build_schedule``): layers balanced by parameter count, one
+    (``strategies/pipeline_plan.plan_pipeline`` and ``_build_schedule``): layers balanced by parameter count, one
     micro-batch per rank."""
     pp, rank = dist.get_world_size(), dist.get_rank()
     layers = model.parallel_plan().layers
