@@ -25,7 +25,7 @@ MEASURED_WITH = "5.24."
 
 VERIFIED_TP_FAMILIES = frozenset({
     "afmoe", "arcee", "aria_text", "beam", "bert", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm",
-    "deepseek_v2", "diffllama", "dory", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint",
+    "deepseek_v2", "deepseek_v4", "diffllama", "dory", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint",
     "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gptj", "granite",
     "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
     "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "lfm2",
