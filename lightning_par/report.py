@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_par import units
+
 from hydra.experimental.callback import Callback
 
 SUMMARY_FILE = "summary.json"
@@ -148,13 +150,7 @@ def _num(x: Any) -> float | None:
 
 def fmt_bytes(n: Any) -> str:
     v = _num(n)
-    if v is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return str(n)
+    return "-" if v is None else units.fmt_bytes(v)
 
 
 def fmt_count(n: Any) -> str:

@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     # device peak table, optimizer building, Lightning's logging cadence, job bookkeeping: error.json, run dirs,
     # the watcher that writes it for a killed main process)
     "lightning_par": 0, "lightning_par.dtypes": 0, "lightning_par.devices": 0, "lightning_par.optim": 0,
-    "lightning_par.logging_steps": 0, "lightning_par.jobs": 0, "lightning_par.exit_watch": 0,
+    "lightning_par.logging_steps": 0, "lightning_par.jobs": 0, "lightning_par.exit_watch": 0, "lightning_par.units": 0,
     "lightning_par.conf": 0,  # conf: the yaml, no code
     "lightning_par.token_format": 0,  # the token file's layout (numpy): prepare's workers import no Lightning
     "lightning_par.parallel": 1,  # techniques: plain torch

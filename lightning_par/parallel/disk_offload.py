@@ -61,6 +61,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.units import fmt_bytes
+
 #: bytes each tensor's region is aligned to inside a file
 _ALIGN = 64
 _PAGE = mmap.PAGESIZE
@@ -75,21 +77,10 @@ def disk_bytes_needed(params: int, grads: int, optimizer_state: int) -> int:
     return params + grads + optimizer_state
 
 
-def fmt_size(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps it at least 1 (``782.0 KiB``, ``1.5 MiB``, ``0 B``),
-    as the run's report writes sizes (``report.fmt_bytes``, a layer above this one)."""
-    v = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(v) < 1024:
-            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return f"{v:.1f} TiB"
-
-
 def _sizes(needed: int, free: int) -> tuple[str, str]:
     """Both sizes in the unit that fits each (a small model's files and a nearly full disk are KiB or MiB,
     which whole GiB showed as 0.00), exact in bytes too where the rounded ones would read alike."""
-    a, b = fmt_size(needed), fmt_size(free)
+    a, b = fmt_bytes(needed), fmt_bytes(free)
     return (a, b) if a != b else (f"{a} ({needed} bytes)", f"{b} ({free} bytes)")
 
 
@@ -598,4 +589,4 @@ class PagedOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["DiskFullError", "FileArena", "FileTier", "PagedOptimizer", "check_offload_dir", "disk_bytes_needed",
-           "fmt_size"]
+           "fmt_bytes"]

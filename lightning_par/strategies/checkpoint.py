@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_par.parallel.hf_plan import find_hf_model
+from lightning_par.units import fmt_bytes
 import lightning_par.strategies.checkpoint_checksums as checksums
 from lightning_par.strategies.checkpoint_errors import CheckpointError, CheckpointSaveError, _cause
 from lightning_par.strategies.lightning_file import check_lightning_file, load_lightning_file
@@ -390,16 +391,8 @@ def save_failure(path: Path, exc: BaseException) -> str:
         if sibling != path and is_sharded_checkpoint(sibling):
             sizes.append((sibling.stat().st_mtime, sum(f.stat().st_size for f in sibling.iterdir() if f.is_file()),
                           sibling.name))
-    need = f"; a checkpoint of this run takes {_size(max(sizes)[1])} ({max(sizes)[2]})" if sizes else ""
-    return f"{line}. {parent} has {_size(free)} free{need}"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    need = f"; a checkpoint of this run takes {fmt_bytes(max(sizes)[1])} ({max(sizes)[2]})" if sizes else ""
+    return f"{line}. {parent} has {fmt_bytes(free)} free{need}"
 
 
 def lightning_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -27,8 +27,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_par.parallel.disk_offload import (FileTier, PagedOptimizer, check_offload_dir, disk_bytes_needed,
-                                                fmt_size)
+from lightning_par.parallel.disk_offload import FileTier, PagedOptimizer, check_offload_dir, disk_bytes_needed
 from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.parallel.zero import COLLECTIVES, Zero2Optimizer, make_zero1_optimizer
@@ -36,6 +35,7 @@ from lightning_par.strategies.base import ShardedStrategy
 from lightning_par.strategies.checkpoint import canonical_fqn, hyperparameters, initialize_optimizer_state, module_fqns
 from lightning_par.strategies.ddp import DDPStrategy
 from lightning_par.strategies.fsdp import FSDPStrategy
+from lightning_par.units import fmt_bytes
 
 
 class Zero1Strategy(DDPStrategy):
@@ -302,7 +302,7 @@ class Zero3OffloadStrategy(Zero3Strategy):
             ranks_here = -(-world_size // nodes)
             per_rank = self.disk_bytes_per_rank(module, world_size)
             check_offload_dir(self.offload_dir, ranks_here * per_rank,
-                              what=f"{ranks_here} rank{'s' if ranks_here > 1 else ''} x {fmt_size(per_rank)} of "
+                              what=f"{ranks_here} rank{'s' if ranks_here > 1 else ''} x {fmt_bytes(per_rank)} of "
                                    "fp32 parameter and gradient shards and AdamW state")
 
     def techniques(self, module: nn.Module, resolved: Any) -> dict:
