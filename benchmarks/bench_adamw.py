@@ -1,7 +1,7 @@
 """Benchmark: torch's AdamW implementations on a GPT preset's parameters -- fused, foreach, for-loop.
 
 lightning_par asks for ``fused=True`` when every parameter is a CUDA tensor and ``foreach=True``
-otherwise (``lightning_par/optim.py``); this measures what that choice is worth. One process, the
+otherwise (``lightning_par/core/optim.py``); this measures what that choice is worth. One process, the
 same parameters and gradients for every contestant, contestants interleaved over ``--reps``; the
 figure is the median time of one ``optimizer.step()`` (device synchronised around each step).
 

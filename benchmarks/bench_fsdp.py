@@ -10,7 +10,7 @@ between consecutive optimizer-step ends, after ``warmup`` steps, median over all
     python benchmarks/bench_fsdp.py                      # 2 CPU ranks (gloo), gpt_small
     python benchmarks/bench_fsdp.py --devices 4 --preset gpt2 --steps 10
 
-The hand-written sharding mirrors ``lightning_par.parallel.fsdp.apply_fsdp`` for the defaults of
+The hand-written sharding mirrors ``lightning_par.parallel.sharding.fsdp.apply_fsdp`` for the defaults of
 ``zero3``: each block a unit, then the root; forward/backward prefetch of one block; FSDP hooks on
 ``training_step``. So the ratio measures the strategies' plumbing, not different sharding.
 """

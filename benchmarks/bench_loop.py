@@ -24,7 +24,7 @@ monitor does on CUDA (on CPU it times every step: there is nothing to synchronis
 the steps after ``--warmup`` is each repetition's figure, the median over repetitions is
 printed, with the ratios ours / plain for eager and for compiled, and lightning / plain and
 ours / lightning for eager. MFU counts the model FLOPs of
-torch's FLOP counter against the dense peak of the matmul dtype (lightning_par/devices.py); peak
+torch's FLOP counter against the dense peak of the matmul dtype (lightning_par/core/devices.py); peak
 memory is the CUDA allocator's peak (not available on CPU).
 
     python benchmarks/bench_loop.py                       # CPU: gpt_small, batch 8 x 128
@@ -132,7 +132,7 @@ def lightning_par_single(args: argparse.Namespace, compiled: bool) -> dict[str, 
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from lightning_par.train import train
+    from lightning_par.run.train import train
 
     out = tempfile.mkdtemp(prefix="bench_loop_")
     overrides = ["strategy=single", f"model={args.preset}", "data=synthetic", f"data.seq_len={args.seq_len}",
@@ -172,7 +172,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
     from lightning_par.callbacks.throughput import model_flops_per_batch, precision_dtype
-    from lightning_par.devices import peak_flops_per_device
+    from lightning_par.core.devices import peak_flops_per_device
     from lightning_par.models import GPTModule
 
     module = GPTModule(preset=args.preset, seq_len=args.seq_len)

@@ -3,7 +3,7 @@
 Three runs through the app (``python run.py``), one process each, the same model, data, batch,
 precision and steps: ``zero3`` (no offload), ``zero3_offload`` (parameters, gradients and optimizer
 state in host memory) and ``zero3_offload strategy.offload_dir=DIR`` (the same in files at DIR,
-``parallel/disk_offload.py``). From each run's summary.json: the step time, the process's peak RSS
+``parallel/sharding/disk_offload.py``). From each run's summary.json: the step time, the process's peak RSS
 (``VmHWM``: anonymous and file-backed pages mapped, over setup and training), the bytes in the disk
 tier's files, the losses (the disk tier must give the CPU offload run's), and the ratio of the disk
 tier's peak RSS to CPU offload's (target: at most 0.25 for gpt2_large).

@@ -7,7 +7,7 @@ workers:
 - **library**: ``backend_tokenizer.encode_batch_fast(all documents)`` in one process, its Rust thread
   pool sized to ``--workers`` (``RAYON_NUM_THREADS``); the documents already in memory, ids left as
   Python lists -- the encoding alone, no reading, no writing;
-- **prepare**: ``lightning_par.prepare.prepare()`` end to end with ``--workers`` processes: planning,
+- **prepare**: ``lightning_par.tools.prepare.prepare()`` end to end with ``--workers`` processes: planning,
   starting the workers, reading and parsing the jsonl, encoding, EOS, sending the ids back, writing
   and fsyncing the token file (the clock starts after the tokenizer is loaded, as in the CLI's line).
 
@@ -72,7 +72,7 @@ def main() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     from transformers import AutoTokenizer
 
-    from lightning_par.prepare import prepare
+    from lightning_par.tools.prepare import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         docs = make_docs(a.mb)

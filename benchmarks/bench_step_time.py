@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
 
-    from lightning_par.collectives import run as collectives
+    from lightning_par.tools.collectives import run as collectives
     from lightning_par.costs.activations import Shape
     from lightning_par.costs.step_time import Device, flops_per_token, step_time
     from lightning_par.models.gpt import PRESETS, GPTConfig

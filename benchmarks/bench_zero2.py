@@ -1,6 +1,6 @@
 """Benchmark: ZeRO-2 against ZeRO-1 (and DDP), side by side in one sweep: peak memory per rank and step time.
 
-ZeRO-2 reduce-scatters gradients in buckets from backward hooks (``parallel/zero.py``), so a rank
+ZeRO-2 reduce-scatters gradients in buckets from backward hooks (``parallel/sharding/zero.py``), so a rank
 never holds the full gradients; ZeRO-1 keeps DDP's full gradient buckets. The target: zero2's
 measured peak below zero1's, and its step time within 1.1x zero1's. One Hydra multirun trains the
 same model under each strategy; the figures are each run's own summary.json: the largest rank's

@@ -1,3 +1,3 @@
 """Old command line: ``python experiments/report.py SWEEP_DIR`` is ``lightning-par-report SWEEP_DIR``."""
-from lightning_par.report import main
+from lightning_par.tools.report import main
 raise SystemExit(main())

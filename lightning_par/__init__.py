@@ -1,7 +1,9 @@
 """lightning_par: PyTorch Lightning strategies for every way of spreading training over devices.
 
-Layers (each knows only the ones below it): ``parallel`` (plain torch), ``strategies`` (Lightning
-plumbing), ``models``, ``data``, ``callbacks``, ``estimate``; ``run.py`` + ``conf/`` on top.
+One folder per layer, each importing only the ones before it (docs/architecture.md, tests/test_layers.py):
+``core`` (leaf helpers), ``parallel`` (plain torch), ``strategies`` (Lightning plumbing), ``models``, ``data``,
+``callbacks`` (measurement), ``costs``, ``run`` (config meets code), and the app: ``cli.py``, ``modes``,
+``tools``, ``conf``.
 """
 
 __version__ = "0.1.0"

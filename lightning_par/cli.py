@@ -10,7 +10,7 @@ over the configs shipped in the package (``lightning_par/conf``, searched as ``p
     torchrun --nproc-per-node=2 --max-restarts=3 -m lightning_par strategy=ddp callbacks=checkpoint ckpt_path=auto
 
 Every run writes summary.json (see README) into its Hydra output directory; a failed job writes
-error.json there instead (``lightning_par/jobs.py``).
+error.json there instead (``lightning_par/core/jobs.py``).
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ class ClaimRunDir(Callback):
     otherwise it goes when the process ends. Sweeps need none: each job gets a directory of its own."""
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        from lightning_par.jobs import claim_run_dir, global_rank
+        from lightning_par.core.jobs import claim_run_dir, global_rank
 
         if global_rank() != 0:  # under torchrun or srun, rank 0 holds the directory
             return
@@ -312,7 +312,7 @@ class ClaimRunDir(Callback):
         """A sweep's directory: created and written here, so a read-only one is one line, not Hydra's traceback."""
         import tempfile
 
-        from lightning_par.jobs import global_rank
+        from lightning_par.core.jobs import global_rank
 
         if global_rank() != 0:
             return
@@ -339,7 +339,7 @@ _state = {"job_started": False}
 
 
 def _run(cfg: DictConfig) -> float | None:
-    from lightning_par.config_values import check_config_values
+    from lightning_par.run.config_values import check_config_values
 
     # once per launch, before any rank starts (train.build and the child ranks do not check again): every
     # value's type and range and the mode (config_values.MODES), one line naming the key
@@ -354,7 +354,7 @@ def _run(cfg: DictConfig) -> float | None:
 
         find_batch_size(cfg)
         return None
-    from lightning_par.train import train  # mode=train: check_config_values refused any other mode
+    from lightning_par.run.train import train  # mode=train: check_config_values refused any other mode
 
     summary = train(cfg)
     return summary["final_loss"] if summary else None
@@ -372,7 +372,7 @@ def _one_log_handler() -> None:
             log.removeHandler(handler)
         log.propagate = True
     # Lightning 2.6's own use of torch 2.13's pytree API warns on every run; nothing a user can act on
-    from lightning_par.jobs import quiet_third_party_logs
+    from lightning_par.core.jobs import quiet_third_party_logs
 
     quiet_third_party_logs()
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -384,7 +384,7 @@ def _job(cfg: DictConfig) -> float | None:
     goes back to Hydra as ``JobFailed``: Hydra marks the job failed, runs the others and ends the
     sweep with a nonzero exit. A single run prints one ``error:`` line and exits 2 for a
     configuration mistake, 1 for anything else (``HYDRA_FULL_ERROR=1`` shows the traceback)."""
-    from lightning_par.jobs import hydra_job, one_line, record_failure, root_error
+    from lightning_par.core.jobs import hydra_job, one_line, record_failure, root_error
 
     _state["job_started"] = True
     _one_log_handler()
@@ -436,9 +436,9 @@ def _interrupted(e: BaseException) -> bool:
 
 
 def _exit_watch(job: dict):
-    """Rank 0's watcher (``exit_watch.py``): error.json if the kernel kills this process mid-job."""
-    from lightning_par.exit_watch import ExitWatch
-    from lightning_par.jobs import global_rank
+    """Rank 0's watcher (``core/exit_watch.py``): error.json if the kernel kills this process mid-job."""
+    from lightning_par.core.exit_watch import ExitWatch
+    from lightning_par.core.jobs import global_rank
 
     if global_rank() != 0 or not job.get("output_dir"):
         return None

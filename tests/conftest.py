@@ -1,4 +1,3 @@
-import functools
 import os
 
 import pytest
@@ -20,24 +19,39 @@ def _single_thread_and_clean_pg():
 # The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject.toml): a run of
 # N ranks spends much of its time in one process at a time -- rank 0 importing torch, Lightning and
 # transformers, then each child doing the same while rank 0 waits at the rendezvous -- so a second
-# test fills the idle core. The multirun sweeps in ``tests/sweeps.py`` are cached per test session,
-# and a worker is a session: every module that reads them is one group, run by one worker, so each
-# sweep still runs once. Every other module is a group of its own: xdist hands ungrouped tests out
-# one at a time, alternately, so a module's tests landed on both workers and each worker built the
-# module's fixtures -- the multi-process runs a module shares among its tests (the family matrix's
-# references, the export test's trained checkpoints, ...) ran twice.
-@functools.lru_cache(maxsize=None)
-def _reads_shared_sweeps(path: str) -> bool:
-    """Whether the test module at ``path`` uses ``tests/sweeps.py`` (imports it, at the top or in a test)."""
-    with open(path) as f:
-        return "tests.sweeps" in f.read()
+# test fills the idle core. Every module is a group of its own: xdist hands ungrouped tests out one at
+# a time, alternately, so a module's tests landed on both workers and each worker built the module's
+# fixtures -- the multi-process runs a module shares among its tests (the family matrix's references,
+# the export test's trained checkpoints, ...) ran twice. The multirun sweeps that several modules read
+# (``tests/sweeps.py``) are shared by both workers through one directory made here, before the workers
+# start, and a lock per sweep. (They were one group of ten modules, all on one worker.)
+#: the modules that take longest (measured, full suite, 2026-11-27): handed out first, so that neither
+#: worker is left with a long module at the end
+LONGEST_FIRST = ("test_hf_moe_ep_fsdp", "test_hf_moe_ep", "test_hf_tp_registry", "test_pretrained", "test_hf",
+                 "test_family_matrix", "test_comm", "test_checkpoint", "test_e2e_model_parallel", "test_optim")
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and "LP_SWEEP_DIR" not in os.environ:  # the controller (or -n 0)
+        import tempfile
+
+        os.environ["LP_SWEEP_DIR"] = tempfile.mkdtemp(prefix="lp_sweeps_")  # the workers inherit it
+        config._lp_sweep_dir = os.environ["LP_SWEEP_DIR"]
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_lp_sweep_dir", None)
+    if made:
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)  # before every plain implementation, xdist's (which reads the group marks) too:
 def pytest_collection_modifyitems(config, items):  # a tryfirst one ran after it under pytest 9.2
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:  # a module that names its group itself
-            continue
-        group = "shared_sweeps" if _reads_shared_sweeps(str(item.path)) else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("xdist_group") is None:  # else a module that names its group itself
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
     return (yield)

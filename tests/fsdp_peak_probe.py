@@ -17,11 +17,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_par.costs.activations import Shape
-from lightning_par.estimate import estimate
+from lightning_par.costs.estimate import estimate
 from lightning_par.models.gpt import GPT, GPTConfig
-from lightning_par.parallel.checkpointing import apply_activation_checkpointing
-from lightning_par.parallel.fsdp import apply_fsdp
-from lightning_par.parallel.tiling import apply_tiling
+from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.sharding.fsdp import apply_fsdp
+from lightning_par.parallel.memory.tiling import apply_tiling
 
 #: (micro-batch, sequence, vocabulary, layers, width): the loss dominates, blocks dominate, a large
 #: vocabulary, a long sequence

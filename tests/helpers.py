@@ -68,7 +68,7 @@ def memtracker_step_peak(net: torch.nn.Module, vocab_size: int, batch: int, seq:
     from contextlib import nullcontext
 
     from lightning_par.models.module import ParModule
-    from lightning_par.optim import OptimizerConfig, build_optimizer
+    from lightning_par.core.optim import OptimizerConfig, build_optimizer
 
     opt = build_optimizer(net.parameters(), OptimizerConfig("adamw", lr=1e-3))
     x = torch.randint(0, vocab_size, (batch, seq))

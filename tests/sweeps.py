@@ -6,7 +6,10 @@ grouped into Hydra multiruns (one parent process per sweep) and shared through `
 per-session cache keyed by the argument list: ``test_e2e_sharded.py``, ``test_e2e_model_parallel.py``,
 ``test_comm.py``, ``test_checkpoint.py``, ``test_estimate_crosscheck.py``, ``test_compile.py``,
 ``test_moe.py`` and ``test_moe_costs.py`` read the same runs (the first test that needs one pays
-for it). The cache is this module's state: pytest imports ``tests.sweeps`` once per session.
+for it). The cache is a directory shared by the session's xdist workers (``LP_SWEEP_DIR``, made by
+``tests/conftest.py`` before the workers start): a sweep's directory is named by a hash of its arguments,
+and a file lock per sweep makes the first worker that needs it run it while the other waits for it, so
+each sweep still runs once per session while the modules that read them run on both workers.
 
 Each sweep runs in its own process group with its output in a file: a timeout or a failure kills
 every rank it started (an orphaned rank blocked in a collective cannot hang the suite). A sweep
@@ -17,12 +20,10 @@ exception"), which an earlier version retried, is the product's to prevent (chil
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import itertools
+import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,13 +31,17 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 from tests.helpers import QUICK, ROOT
 
-_CACHE: dict[tuple[str, ...], Path] = {}
-_NUMBER = itertools.count()
-_DIR = Path(tempfile.mkdtemp(prefix="lp_sharded_"))
-atexit.register(shutil.rmtree, _DIR, True)
+
+def _shared_dir() -> Path:
+    """The session's sweep directory (``LP_SWEEP_DIR``; one of this process's own when run without the
+    suite's conftest)."""
+    if "LP_SWEEP_DIR" not in os.environ:
+        os.environ["LP_SWEEP_DIR"] = tempfile.mkdtemp(prefix="lp_sweeps_")
+    return Path(os.environ["LP_SWEEP_DIR"])
 
 
 def _run_group(cmd: list[str], log: Path, timeout: float) -> int:
@@ -54,18 +59,22 @@ def _run_group(cmd: list[str], log: Path, timeout: float) -> int:
 
 
 def sweep_dir(*args: str, timeout: float = 900) -> Path:
-    """Run ``run.py -m QUICK *args`` once per test session; its sweep directory (jobs 0, 1, ...)."""
-    key = tuple(args)
-    if key not in _CACHE:
-        out = _DIR / f"sweep{next(_NUMBER)}"  # never the directory of an earlier, failed sweep
-        log = _DIR / f"{out.name}.log"
-        rc = _run_group([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *args, f"hydra.sweep.dir={out}"],
-                        log, timeout)
-        if rc != 0:
+    """Run ``run.py -m QUICK *args`` once per test session; its sweep directory (jobs 0, 1, ...). A sweep
+    that failed is not run again: every test reading it fails with its log."""
+    shared = _shared_dir()
+    name = "sweep_" + hashlib.sha256("\0".join(args).encode()).hexdigest()[:16]
+    out, log, done, failed = (shared / name, shared / f"{name}.log", shared / f"{name}.done",
+                              shared / f"{name}.failed")
+    with FileLock(str(shared / f"{name}.lock")):  # the other worker waits here while this one runs it
+        if not done.exists() and not failed.exists():
+            rc = _run_group([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *args, f"hydra.sweep.dir={out}"],
+                            log, timeout + 60)  # a lock waiter's own timeout is the test's
+            (done if rc == 0 else failed).write_text(str(rc))
+        if failed.exists():
+            rc = int(failed.read_text())
             raise AssertionError(f"run.py -m {' '.join(args)} failed ({'timeout' if rc == -1 else rc}):\n"
                                  f"{log.read_text()[-6000:]}")
-        _CACHE[key] = out
-    return _CACHE[key]
+    return out
 
 
 def sweep(*args: str, timeout: float = 900) -> list[dict]:

@@ -17,9 +17,9 @@ import torch
 
 from lightning_par.costs.activations import attention_kernel
 from lightning_par.costs.shape import Shape
-from lightning_par.estimate import estimate
+from lightning_par.costs.estimate import estimate
 from lightning_par.models.gpt import GPT
-from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing
 from tests.helpers import memtracker_step_peak
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,14 +69,14 @@ def test_the_cases_exercise_every_term():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Hugging Face decoders (models/hf.py): grouped-query attention, gated MLPs, RMSNorm, tied heads
+# Hugging Face decoders (models/hf/causal_lm.py): grouped-query attention, gated MLPs, RMSNorm, tied heads
 
 HF_TOLERANCE = 0.10  # measured ratios 0.998-1.064 (checkpointing the highest)
 
 
 def hf_shape(arch: str, L: int, h: int, a: int, kv: int, f: int, V: int, T: int, tied: bool = False) -> Shape:
-    """The shape ``models/hf.py`` builds for these sizes (through the transformers config itself)."""
-    from lightning_par.models.hf import hf_config
+    """The shape ``models/hf/causal_lm.py`` builds for these sizes (through the transformers config itself)."""
+    from lightning_par.models.hf.causal_lm import hf_config
 
     cfg = hf_config(arch, hidden=h, layers=L, heads=a, kv_heads=kv if arch != "gpt2" else None, intermediate=f,
                     vocab=V, max_positions=T, tie_word_embeddings=tied)
@@ -84,8 +84,8 @@ def hf_shape(arch: str, L: int, h: int, a: int, kv: int, f: int, V: int, T: int,
 
 
 def hf_net(shape: Shape, checkpointing: bool = False) -> torch.nn.Module:
-    from lightning_par.models.hf import LogitsOnly, _transformers
-    from lightning_par.parallel.hf_plan import hf_blocks
+    from lightning_par.models.hf.causal_lm import LogitsOnly, _transformers
+    from lightning_par.parallel.hf.plan import hf_blocks
 
     torch.manual_seed(0)
     cfg = shape.hf_config()

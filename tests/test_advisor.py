@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_par.advisor import Cluster, advise
+from lightning_par.costs.advisor import Cluster, advise
 from lightning_par.modes.advise import main
 from lightning_par.costs.shape import Shape
-from lightning_par.estimate import GIB, model_shape
+from lightning_par.costs.estimate import GIB, model_shape
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -237,7 +237,7 @@ def test_printed_command_passes_the_apps_checks_scaled_down(case, devices, answe
     in this process -- what a run checks before any process starts. Two of them also run (below)."""
     from hydra import compose, initialize_config_module
 
-    from lightning_par.train import build, validate
+    from lightning_par.run.train import build, validate
 
     command = command_of(answers[case])
     with initialize_config_module("lightning_par.conf", version_base="1.3"):
@@ -443,7 +443,7 @@ def test_disk_tier_when_only_nvme_holds_the_offloaded_states():
 def test_estimator_splits_the_disk_tier_between_host_and_disk():
     """zero3_offload with offload_dir: ``on_disk`` holds the offloaded states, ``offloaded`` (host) only the
     optimizer step's three chunks (at least the largest parameter each); the device side is unchanged."""
-    from lightning_par.estimate import estimate
+    from lightning_par.costs.estimate import estimate
 
     cpu = estimate("gpt2_large", devices=1, strategy="zero3_offload", precision="32-true", device="cpu")
     disk = estimate("gpt2_large", devices=1, strategy="zero3_offload", precision="32-true", device="cpu",
@@ -470,7 +470,7 @@ def test_hf_llama_1b_gets_a_plan_whose_command_builds(args, devices, tmp_path: P
     """``--model hf_llama_1b`` (Llama-3.2-1B's shape) is priced and answered; the command runs the app
     with ``model=hf_llama_1b`` at its 2048 positions, and scaled down it composes, builds and passes the
     app's checks. Sequence parallelism is never offered: transformers' tp_plan names no norms."""
-    from lightning_par.train import build, validate
+    from lightning_par.run.train import build, validate
     from tests.helpers import composed
 
     out = advisor(["--model", "hf_llama_1b", *args])
@@ -487,8 +487,8 @@ def test_hf_llama_1b_gets_a_plan_whose_command_builds(args, devices, tmp_path: P
 def test_hf_plans_the_model_cannot_run_are_not_offered():
     """Tensor parallelism only where tp divides the model's sizes (Qwen2-0.5B's 2 key/value heads: not 8),
     never with sequence parallelism; Llama-3.2-1B's 8 key/value heads take tp=8 within a node."""
-    from lightning_par.advisor import _hf_refusal
-    from lightning_par.estimate import layout
+    from lightning_par.costs.advisor import _hf_refusal
+    from lightning_par.costs.estimate import layout
 
     _, qwen = model_shape("hf_qwen2_0p5b")
     a = advise(qwen, Cluster(2, 8, 80), preset="hf_qwen2_0p5b")
@@ -503,13 +503,13 @@ def test_hf_plans_the_model_cannot_run_are_not_offered():
 
 def test_hf_tiling_paths_are_the_models(tmp_path: Path):
     """The tiled-offload plan names the Hugging Face model's own layers (net.model.layers.<i>.self_attn.q_proj,
-    ...), each one ``parallel/tiling.py`` accepts in the module the app builds; the estimator reads them
+    ...), each one ``parallel/memory/tiling.py`` accepts in the module the app builds; the estimator reads them
     as tiles (the largest unit shrinks)."""
     from hydra.utils import instantiate
 
-    from lightning_par.advisor import tiling_plan
-    from lightning_par.estimate import estimate, layout
-    from lightning_par.parallel.tiling import tileable
+    from lightning_par.costs.advisor import tiling_plan
+    from lightning_par.costs.estimate import estimate, layout
+    from lightning_par.parallel.memory.tiling import tileable
     from tests.helpers import composed
 
     _, shape = model_shape("hf_llama_tiny")
@@ -532,7 +532,7 @@ def test_hf_shape_without_a_preset_gets_overrides_that_build_it(tmp_path: Path):
     the same shape."""
     from hydra.utils import instantiate
 
-    from lightning_par.advisor import model_overrides
+    from lightning_par.costs.advisor import model_overrides
     from tests.helpers import composed
 
     _, shape = model_shape("hf_qwen2_0p5b")
@@ -694,7 +694,7 @@ def out_line(out: str, prefix: str) -> str:
 def test_a_config_the_advisor_cannot_price_says_what_it_is(tmp_path: Path):
     """A Mixtral config.json (routed experts: no op-by-op shape) is one argparse line naming the model and
     its parameter count as transformers builds it, not a different model's answer."""
-    from lightning_par.models.hf_registry import tiny_config
+    from lightning_par.models.hf.registry import tiny_config
 
     cfg = tiny_config("mixtral")
     cfg.to_json_file(tmp_path / "config.json")

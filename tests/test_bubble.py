@@ -31,7 +31,7 @@ from torch import nn
 
 from lightning_par.callbacks.bubble import ActivationMeter, BubbleMeter, bubble_summary
 from lightning_par.callbacks.bubble_render import draw_timeline, plot_bubble_sweep, write_trace
-from lightning_par.parallel.pipeline import StageTimer, build_schedule, stage_indices_for_rank, theoretical_bubble
+from lightning_par.parallel.pipeline.schedule import StageTimer, build_schedule, stage_indices_for_rank, theoretical_bubble
 from tests.dist import run_distributed
 
 T_F, T_B = 1.0, 2.0  # clock seconds of forward / backward per stage and micro-batch (exact in binary)

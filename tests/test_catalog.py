@@ -138,7 +138,7 @@ def test_a_new_strategy_is_one_entry_one_class_one_yaml(tmp_path: Path) -> None:
 import json, lightning_par, lightning_par.strategies
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning_par.costs.comm import step_comm_bytes
-from lightning_par.estimate import estimate
+from lightning_par.costs.estimate import estimate
 print(json.dumps({"file": lightning_par.__file__, "registered": StrategyRegistry["lp_toy"]["strategy"].__name__,
                   "comm": step_comm_bytes("toy", n_params=1000, mesh={"dp_shard": 4}),
                   "peak": estimate(10**9, devices=4, strategy="toy", precision="32-true").peak,

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par.data import DataParallelSampler
 from lightning_par.models import GPTModule
-from lightning_par.strategies.checkpoint import CheckpointError, ResumableLoader, canonical_fqn, check_checkpoint, plain
+from lightning_par.strategies.checkpoint.dcp import CheckpointError, ResumableLoader, canonical_fqn, check_checkpoint, plain
 from tests.helpers import QUICK, ROOT, run_cli
 from tests.sweeps import FOUR_RANKS, by_strategy, single_refs, sweep, sweep_dir
 

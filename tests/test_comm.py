@@ -232,7 +232,7 @@ def test_every_strategy_writes_comm():
 
 
 def test_collectives_benchmark_two_ranks_gloo(tmp_path, capsys):
-    from lightning_par.collectives import OPS, main
+    from lightning_par.tools.collectives import OPS, main
 
     rc = main(["--ranks", "2", "--backend", "gloo", "--min", "1K", "--max", "4K", "--iters", "2", "--warmup", "1",
                "--out", str(tmp_path), "--timeout", "120"])
@@ -250,7 +250,7 @@ def test_collectives_benchmark_two_ranks_gloo(tmp_path, capsys):
 
 
 def test_collectives_benchmark_refuses_bad_input(capsys):
-    from lightning_par.collectives import main
+    from lightning_par.tools.collectives import main
 
     assert main(["--ops", "all_reduce,allgather"]) == 2
     assert capsys.readouterr().err.strip() == "error: unknown op 'allgather' (choose from all_reduce, all_gather, " \
@@ -258,7 +258,7 @@ def test_collectives_benchmark_refuses_bad_input(capsys):
 
 
 def test_sweep_report_shows_comm(tmp_path):
-    from lightning_par.report import build_report
+    from lightning_par.tools.report import build_report
 
     for i, s in enumerate([long_parity()["ddp"], long_parity()["zero3"]]):
         (tmp_path / str(i)).mkdir()
@@ -268,7 +268,7 @@ def test_sweep_report_shows_comm(tmp_path):
     assert "comm per step" in md and "](comm.png)" in md
     assert (tmp_path / "comm.png").read_bytes().startswith(b"\x89PNG")
     ddp = 4 * runs[0].summary["n_params"]
-    from lightning_par.report import fmt_bytes
+    from lightning_par.tools.report import fmt_bytes
     assert f"| {fmt_bytes(ddp)} |" in md and f"| {fmt_bytes(3 * ddp)} |" in md
 
 

@@ -1,4 +1,4 @@
-"""Every config value's type and range is checked before launch (``lightning_par/config_values.py``): a
+"""Every config value's type and range is checked before launch (``lightning_par/run/config_values.py``): a
 wrong value stops with one line ``<key>=<value as given>: expected ...`` naming its key; no shipped
 config trips it; every key of every shipped yaml is declared somewhere (the table, the code that
 already checks it, or free text)."""
@@ -12,7 +12,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_par import ConfigError
-from lightning_par.config_values import (CHECKED_ELSEWHERE, ECHO_CHARS, TABLE, check_config_values, coverage, echo,
+from lightning_par.run.config_values import (CHECKED_ELSEWHERE, ECHO_CHARS, TABLE, check_config_values, coverage, echo,
                                          leaf_keys)
 from tests.helpers import composed, run_cli
 
@@ -303,7 +303,7 @@ def test_every_key_checked_elsewhere_is_proven_or_left_to_use():
 
 @pytest.mark.parametrize("overrides,key,named", ELSEWHERE, ids=[c[0][-1] for c in ELSEWHERE])
 def test_keys_checked_by_their_constructor(overrides, key, named, tmp_path):
-    from lightning_par.train import build, validate
+    from lightning_par.run.train import build, validate
 
     assert key in CHECKED_ELSEWHERE and key not in TABLE
     cfg = composed("experiment=quick", *overrides, tmp=tmp_path)
@@ -321,7 +321,8 @@ def test_keys_checked_by_their_constructor(overrides, key, named, tmp_path):
 def test_the_launch_checks_the_config_once(tmp_path, monkeypatch):
     """One launch, one table check: the app's _run checks before anything is built; train (its build and
     validate) does not check again, nor does a child rank's train(cfg, child=True)."""
-    from lightning_par import cli, config_values
+    from lightning_par import cli
+    from lightning_par.run import config_values
 
     calls = []
     real = config_values.check_config_values
@@ -329,9 +330,9 @@ def test_the_launch_checks_the_config_once(tmp_path, monkeypatch):
     fast = ("experiment=quick", "trainer.max_steps=1", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false")
     cli._run(composed(*fast, tmp=tmp_path / "launch"))
     assert len(calls) == 1
-    from lightning_par.train import train
+    from lightning_par.run.train import train
 
-    train(composed(*fast, tmp=tmp_path / "child"), child=True)  # what lightning_par.child runs on ranks 1..N-1
+    train(composed(*fast, tmp=tmp_path / "child"), child=True)  # what lightning_par.run.child runs on ranks 1..N-1
     assert len(calls) == 1
 
 

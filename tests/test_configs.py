@@ -100,7 +100,7 @@ def test_callbacks_yaml_instantiates(name, tmp_path):
 
 @pytest.mark.parametrize("name", names("logger"))
 def test_logger_yaml_instantiates(name, tmp_path):
-    from lightning_par.loggers import build_loggers  # each logger config sits under logger.<name>
+    from lightning_par.run.loggers import build_loggers  # each logger config sits under logger.<name>
 
     cfg = composed(f"logger={name}", tmp=tmp_path)
     (logger,) = build_loggers(cfg.logger)

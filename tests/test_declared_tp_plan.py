@@ -6,7 +6,7 @@ one's own around a tiny StableLM built from a config (no download), declaring co
 rowwise o and down over ``net.model.layers.*`` -- once passed every check and then crashed at the first
 forward: StableLM's attention views its projections by its global head counts
 (``view(bsz, q_len, self.num_heads, head_dim)``), which a rank holding half of the heads cannot. A
-declared plan now gets what the derived plans have (``hf_plan.declared_head_division``): the attention
+declared plan now gets what the derived plans have (``hf.plan.declared_head_division``): the attention
 module's head counts divided by tp, and checked before launch as sizes tp must divide.
 
 - ``test_stablelm_refusal_advice_followed_trains_as_one_device``: the refusal (before launch, one line,

@@ -1,4 +1,4 @@
-"""The disk tier of ZeRO-3 offload (``zero3_offload strategy.offload_dir=DIR``, parallel/disk_offload.py).
+"""The disk tier of ZeRO-3 offload (``zero3_offload strategy.offload_dir=DIR``, parallel/sharding/disk_offload.py).
 
 One shared multirun (gpt_tiny, 12 AdamW steps, a checkpoint at step 6): zero3_offload with and without
 the disk tier at 1 and 2 ranks. The disk tier must give CPU offload's losses (rtol 1e-6; measured:
@@ -90,7 +90,7 @@ def test_full_disk_is_one_line_and_leaves_the_checkpoint_whole(sweep_runs, tmp_p
     """A file size limit in the ranks (RLIMIT_FSIZE, inherited by the ranks the app starts) makes the
     disk tier's preallocation fail as a full disk would (EFBIG; ENOSPC is the same path): one line,
     error.json, a non-zero exit; the checkpoint the run was resuming from is unchanged and still loads."""
-    from lightning_par.strategies.checkpoint import check_checkpoint
+    from lightning_par.strategies.checkpoint.dcp import check_checkpoint
 
     _, runs, _ = sweep_runs
     ckpt = Path(runs[(2, True)]["dir"]) / "checkpoints" / "step000006.ckpt"
@@ -147,7 +147,7 @@ def test_full_offload_dir_reports_real_sizes(tmp_path, monkeypatch):
     before launch through the strategy's own check too."""
     from torch import nn
 
-    from lightning_par.parallel import disk_offload
+    from lightning_par.parallel.sharding import disk_offload
     from lightning_par.strategies.zero import Zero3OffloadStrategy
 
     free = {"bytes": 3 * 2**20}
@@ -179,7 +179,7 @@ def test_full_offload_dir_reports_real_sizes(tmp_path, monkeypatch):
 
 def test_file_tier_releases_pages_and_keeps_data(tmp_path):
     """A view written, released (MADV_DONTNEED) and read again holds what was written."""
-    from lightning_par.parallel.disk_offload import DiskFullError, FileArena
+    from lightning_par.parallel.sharding.disk_offload import DiskFullError, FileArena
 
     arena = FileArena(tmp_path, "a.bin", 3 * 2**20)
     assert not any(tmp_path.iterdir())  # unlinked at once
@@ -193,7 +193,7 @@ def test_file_tier_releases_pages_and_keeps_data(tmp_path):
     def tiny() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, resource.RLIM_INFINITY))
 
-    code = ("import sys; from pathlib import Path; from lightning_par.parallel.disk_offload import FileArena\n"
+    code = ("import sys; from pathlib import Path; from lightning_par.parallel.sharding.disk_offload import FileArena\n"
             "try:\n    FileArena(Path(sys.argv[1]), 'b.bin', 2**20)\nexcept OSError as e:\n    print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          preexec_fn=tiny, timeout=60)
@@ -235,7 +235,7 @@ def test_clipping_reads_the_gradient_files_a_chunk_at_a_time(tmp_path):
     gradients resident (so the measure can tell them apart)."""
     from torch import nn
 
-    from lightning_par.parallel.disk_offload import FileTier, PagedOptimizer
+    from lightning_par.parallel.sharding.disk_offload import FileTier, PagedOptimizer
 
     torch.manual_seed(0)
     tier = FileTier(tmp_path, chunk_mb=1.0)

@@ -1,4 +1,4 @@
-"""One dtype table (``lightning_par/dtypes.py``): names <-> torch dtypes <-> bytes, Lightning precision
+"""One dtype table (``lightning_par/core/dtypes.py``): names <-> torch dtypes <-> bytes, Lightning precision
 strings -> (parameter dtype, compute dtype), and the two bugs its duplicates caused: the throughput
 monitor reading FSDP's ``param_dtype`` as fp32 (MFU against the fp32 peak), and ``mode=estimate``
 pricing FSDP's bf16 all-gathers at fp32 (issue 21)."""
@@ -16,7 +16,7 @@ import torch
 
 
 def test_names_bytes_and_precisions() -> None:
-    from lightning_par import dtypes as D
+    from lightning_par.core import dtypes as D
 
     spellings = {torch.bfloat16: ("bf16", "bfloat16", "torch.bfloat16", "BF16"),
                  torch.float16: ("fp16", "float16", "half", "torch.float16", "torch.half"),

@@ -1,4 +1,7 @@
-"""End-to-end: run.py under single and ddp; DDP reproduces single-device losses at 2 and 4 ranks."""
+"""End-to-end: run.py under single and ddp; DDP reproduces single-device losses at 2 and 4 ranks.
+
+The single-device reference and the 4-rank ddp run are the shared sweeps' (``tests/sweeps.py``: the same
+QUICK config); the 2-rank ddp run is the two-job multirun's, which this module runs once."""
 
 from __future__ import annotations
 
@@ -13,13 +16,22 @@ import pytest
 
 from lightning_par.callbacks import CONTRACT_KEYS
 from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli, train_summary
+from tests.sweeps import four_ranks, single_refs
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def single_ref(tmp_path_factory):
-    return train_summary(QUICK, tmp_path_factory.mktemp("single"))
+def single_ref():
+    return single_refs()[0]
+
+
+@pytest.fixture(scope="module")
+def two_job_sweep(tmp_path_factory):
+    """``run.py -m strategy=single,ddp trainer.devices=2``: a multirun of two jobs (the 2-rank ddp run)."""
+    sweep = tmp_path_factory.mktemp("multirun") / "sweep"
+    run_cli(["-m", *QUICK, "strategy=single,ddp", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], sweep)
+    return sweep
 
 
 def test_single_summary_contract(single_ref):
@@ -37,8 +49,9 @@ def test_single_summary_contract(single_ref):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_matches_single(single_ref, tmp_path, world):
-    s = train_summary(QUICK + ["strategy=ddp", f"trainer.devices={world}"], tmp_path)
+def test_ddp_matches_single(single_ref, two_job_sweep, world):
+    # 4 ranks: the shared sweep's ddp job (it also saves checkpoints, which leaves the losses alone)
+    s = json.loads((two_job_sweep / "1" / "summary.json").read_text()) if world == 2 else four_ranks()["ddp"]
     assert s["world_size"] == world and s["mesh"] == {"dp_replicate": world}
     assert len(s["memory"]) == world and [m["rank"] for m in s["memory"]] == list(range(world))
     assert_losses_match(s, single_ref)
@@ -68,9 +81,8 @@ def test_bf16_mixed_ddp_trains(tmp_path):
     assert np.all(np.isfinite(s["losses"])) and s["losses"][-1] < s["losses"][0] - 0.5
 
 
-def test_multirun_two_jobs_two_summaries(tmp_path):
-    sweep = tmp_path / "sweep"
-    run_cli(["-m", *QUICK, "strategy=single,ddp", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], sweep)
+def test_multirun_two_jobs_two_summaries(two_job_sweep, single_ref):
+    sweep = two_job_sweep
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
     summaries = sorted(sweep.glob("**/summary.json"))
     assert [p.parent.name for p in summaries] == ["0", "1"]
@@ -78,14 +90,10 @@ def test_multirun_two_jobs_two_summaries(tmp_path):
     assert (single["strategy"], single["world_size"]) == ("single", 1)
     assert (ddp["strategy"], ddp["world_size"]) == ("ddp", 2)
     assert_losses_match(ddp, single)
+    assert_losses_match(single, single_ref)  # the multirun's job is the single run of the same config
     # no stray run directories from child processes (they would land in outputs/ or a nested sweep)
     for job in ("0", "1"):
         assert not (sweep / job / "multirun").exists() and not (sweep / job / "outputs").exists()
-
-
-def test_tensorboard_logger(tmp_path):
-    train_summary(QUICK + ["logger=tensorboard", "trainer.max_steps=10"], tmp_path)
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 USER_SCRIPT = '''

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from lightning_par.models import GPTModule
-from lightning_par.parallel.pipeline import theoretical_bubble
+from lightning_par.parallel.pipeline.schedule import theoretical_bubble
 from tests.helpers import assert_losses_match, run_cli, train_summary
 
 pytestmark = pytest.mark.slow

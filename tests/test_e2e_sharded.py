@@ -168,7 +168,7 @@ def test_impossible_settings_stop_with_one_line(tmp_path):
 def test_impossible_settings_are_config_errors(tmp_path, args, pattern):
     """The same checks in-process (what run.py turns into ``error: ...`` and exit code 2)."""
     from lightning_par import ConfigError
-    from lightning_par.train import build, validate
+    from lightning_par.run.train import build, validate
 
     cfg = composed("experiment=quick", *args, tmp=tmp_path)
     with pytest.raises(ConfigError, match=pattern):

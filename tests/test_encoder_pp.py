@@ -1,10 +1,10 @@
 """Pipeline parallelism for encoder-only models (issue 19): BERT and RoBERTa masked LMs, whose pipeline
-plan is derived from their forward (``parallel/hf_pp_derive.py``): the embeddings, each
-``encoder.layer``, the MLM head. Each stage runs the model's own forward (``parallel/hf_pipeline.py``):
+plan is derived from their forward (``parallel/hf/pp_derive.py``): the embeddings, each
+``encoder.layer``, the MLM head. Each stage runs the model's own forward (``parallel/hf/stages.py``):
 the first one from the input ids, every later one from ``inputs_embeds`` (the embeddings module of an
 earlier stage hands that activation on), so the extended attention mask is the whole model's. The
 word table is tied to the MLM decoder: the first and the last stage each hold a copy, their gradients
-summed every step (``parallel/pipeline_ties.py``); the decoder's bias (tied to the head's own) stays
+summed every step (``parallel/pipeline/stage_ties.py``); the decoder's bias (tied to the head's own) stays
 inside the head.
 
 - in one process: the derived plan, every cut of it chained by hand gives the whole model's logits
@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning_par.parallel.hf.stages import hf_stage_runner
 
 from tests.test_family_matrix import run_script as matrix_run_script
 
@@ -42,9 +43,9 @@ def masked_lm(family: str, layers: int = 2):
 
 @pytest.mark.parametrize("family,prefix,head", [("bert", "bert", "cls"), ("roberta", "roberta", "lm_head")])
 def test_the_encoder_plan_is_derived_and_every_cut_is_the_whole_model(family, prefix, head):
-    from lightning_par.parallel.hf_pipeline import check_hf_pipeline
-    from lightning_par.parallel.hf_plan import hf_parallel_plan
-    from lightning_par.parallel.pipeline import build_stage_modules
+    from lightning_par.parallel.hf.stages import check_hf_pipeline
+    from lightning_par.parallel.hf.plan import hf_parallel_plan
+    from lightning_par.parallel.pipeline.schedule import build_stage_modules
 
     model = masked_lm(family)
     plan = hf_parallel_plan(model)
@@ -60,7 +61,7 @@ def test_the_encoder_plan_is_derived_and_every_cut_is_the_whole_model(family, pr
         model.zero_grad(set_to_none=True)
         x = ids
         for stage in build_stage_modules(model, layers=plan.layers, boundaries=bounds,
-                                         stage_indices=range(len(bounds) - 1)):
+                                         stage_indices=range(len(bounds) - 1), stage_runner=hf_stage_runner):
             x = stage(x)
         F.cross_entropy(x.flatten(0, 1), ids.flatten()).backward()
         torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
@@ -71,7 +72,7 @@ def test_the_encoder_plan_is_derived_and_every_cut_is_the_whole_model(family, pr
 def test_encoder_decoder_models_are_refused_in_one_line_that_says_why():
     from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
-    from lightning_par.parallel.hf_plan import hf_parallel_plan
+    from lightning_par.parallel.hf.plan import hf_parallel_plan
 
     with torch.device("meta"):
         models = [T5ForConditionalGeneration(T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
@@ -180,11 +181,13 @@ def check(single: dict, got: dict, strategy: str) -> None:
         assert max(ref) - min(ref) > 1e-3  # the steps move the loss far beyond the tolerance
 
 
+@pytest.mark.slow  # multi-process (the quick tier runs none)
 def test_bert_and_roberta_train_under_lp_pipeline_as_on_one_device(single, tmp_path):
     check(single, run_script(tmp_path, 2, [(f, n, "lp_pipeline") for f, n in CELLS]), "lp_pipeline")
 
 
+@pytest.mark.slow  # multi-process, 8 ranks
 def test_bert_and_roberta_train_under_lp_3d_as_on_one_device(single, tmp_path):
     """pp=2 x tp=2 x dp=2 (FSDP) at 8 ranks: the derived pipeline plan with the derived tensor-parallel
-    plan (``hf_tp_derive.py``; the tied word table and MLM decoder split by vocabulary on both stages)."""
+    plan (``hf/tp_derive.py``; the tied word table and MLM decoder split by vocabulary on both stages)."""
     check(single, run_script(tmp_path, 8, [(f, n, "lp_3d") for f, n in CELLS]), "lp_3d")

@@ -1,5 +1,5 @@
 """Tensor parallelism for the families transformers declares no plan for and whose plan is derived
-(``parallel/hf_tp_derive.py``, issue 19): BERT and RoBERTa (masked LM: the word embeddings tied to the
+(``parallel/hf/tp_derive.py``, issue 19): BERT and RoBERTa (masked LM: the word embeddings tied to the
 MLM decoder, whose bias is tied to the head's own), T5 (one table for encoder, decoder and LM head;
 the relative position bias split by heads), BART (one table, three uses; ``final_logits_bias``),
 ViT (classification: CLS token, replicated classifier) and Falcon (fused ``query_key_value``; the
@@ -18,7 +18,7 @@ Two tests:
   head, Falcon's grouped and per-head layouts), whole vs split at tp=2 on one gloo process group: 4 SGD steps, losses rtol 1e-5 and every
   parameter (gathered) within atol 2e-5 -- a gradient left unreduced moves a weight by about lr x gradient, ~1e-3.
 
-Which of these families the tensor-parallel strategy accepts is ``hf_tp_verified``'s business; the
+Which of these families the tensor-parallel strategy accepts is ``hf.tp_verified``'s business; the
 families outside transformers' causal-LM registry (or too large for its walk) are gated by what this
 file measures, and the test checks that set against its parity results.
 """
@@ -78,7 +78,7 @@ def max_rel(got: list[float], ref: list[float]) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_derived_tp_plans_of_encoder_and_seq2seq_families_match_single(tmp_path: Path) -> None:
-    from lightning_par.parallel.hf_tp_verified import VERIFIED_TP_FAMILIES, VERIFIED_TP_OTHER_FAMILIES
+    from lightning_par.parallel.hf.tp_verified import VERIFIED_TP_FAMILIES, VERIFIED_TP_OTHER_FAMILIES
 
     text = script()
     ref = matrix.run_script(tmp_path, 1, [(fam, "lp_single") for fam in FAMILIES], text)
@@ -166,8 +166,8 @@ def _variants(rank: int, world: int, names: list[str]) -> dict[str, tuple[str, f
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_par.parallel.hf_plan import hf_tp_divisible, hf_tp_plan
-    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_par.parallel.hf.plan import hf_tp_divisible, hf_tp_plan
+    from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -217,7 +217,7 @@ def test_derived_plans_split_what_they_must() -> None:
     """On the meta device, no processes: the plan entries the details depend on, and the refusals."""
     import transformers
 
-    from lightning_par.parallel.hf_plan import hf_parallel_plan, hf_tp_plan
+    from lightning_par.parallel.hf.plan import hf_parallel_plan, hf_tp_plan
 
     def build(mt: str, cls: str, **options: object) -> torch.nn.Module:
         with torch.device("meta"):

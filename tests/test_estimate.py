@@ -15,7 +15,7 @@ from lightning_par.costs.activations import in_flight_micro_batches
 from lightning_par.costs.peak import step_peak, zero2_staged
 from lightning_par.costs.shape import Shape
 from lightning_par.costs.states import optimizer_state_bytes
-from lightning_par.estimate import (
+from lightning_par.costs.estimate import (
     STRATEGIES,
     bytes_per_param,
     estimate,
@@ -243,7 +243,7 @@ def test_hf_preset_estimates() -> None:
     assert one.params == 4 * n and one.optimizer_state == 8 * n and one.activations > 0
     with pytest.raises(ValueError, match="exceeds max_positions"):
         model_shape("hf_llama_1b", 4096)
-    from lightning_par.models.hf import hf_config
+    from lightning_par.models.hf.causal_lm import hf_config
 
     with pytest.raises(ValueError, match="no op-by-op shape for a 'gemma2'"):
         Shape.of(hf_config("gemma2", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256,

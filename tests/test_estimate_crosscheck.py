@@ -1,4 +1,4 @@
-"""The memory callback's per-rank figures follow the estimator's ZeRO formulas (lightning_par.estimate).
+"""The memory callback's per-rank figures follow the estimator's ZeRO formulas (lightning_par.costs.estimate).
 
 Measured: bytes of the tensors each rank holds just before an optimizer step (MemoryMonitor), from
 the shared e2e runs of ``tests/sweeps.py`` (gpt_tiny, fp32 AdamW, 2 and 4 ranks). Expected:
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_par.estimate import estimate
+from lightning_par.costs.estimate import estimate
 from lightning_par.models import GPTModule
 from tests.sweeps import four_ranks, two_ranks_accumulating
 

@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent('''
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
     import lightning_par.models
-    import lightning_par.parallel.hf_save
+    import lightning_par.parallel.hf.save
     import lightning_par.strategies
 
     class FineTune(L.LightningModule):
@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent('''
         return seen
 
     root, cells = sys.argv[1], json.loads(sys.argv[2])
-    lightning_par.parallel.hf_save.ARRIVAL_TIMEOUT_S = 5  # read at setup; the default is 120 s
+    lightning_par.parallel.hf.save.ARRIVAL_TIMEOUT_S = 5  # read at setup; the default is 120 s
     report = {}
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 300, (8, 17), generator=g)
@@ -126,7 +126,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_par.export", *args], env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lightning_par.strategies.checkpoint.export", *args], env=_env(), capture_output=True,
                           text=True, timeout=300)
 
 
@@ -156,13 +156,19 @@ def test_export_round_trips_through_transformers(trained: Path, tmp_path: Path) 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lightning_par.strategies.checkpoint import export
+
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(9))
-    for fam, strategy, lr in CELLS:
+    for i, (fam, strategy, lr) in enumerate(CELLS):
         checkpoint = trained / "ckpt" / f"{fam}-{strategy}-{lr}.ckpt"
         out = tmp_path / f"{fam}-{strategy}"
-        proc = _export(str(checkpoint), str(out), "--max-shard-size", "60KB")
-        assert proc.returncode == 0, proc.stderr
-        assert f"to {out}: transformers" in proc.stdout, proc.stdout
+        if i == 0:  # the command, once; the other cells through the same function in this process
+            proc = _export(str(checkpoint), str(out), "--max-shard-size", "60KB")
+            assert proc.returncode == 0, proc.stderr
+            message = proc.stdout
+        else:
+            message = export.export(checkpoint, out, max_shard_bytes=60_000)
+        assert f"to {out}: transformers" in message, message
         assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
         exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         source = AutoModelForCausalLM.from_pretrained(trained / fam, dtype=torch.float32)
@@ -204,7 +210,7 @@ def test_our_gpt_exports_as_gpt2(tmp_path: Path) -> None:
 
 def test_interrupted_export_leaves_nothing_that_looks_complete(trained: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_par import export
+    from lightning_par.strategies.checkpoint import export
 
     checkpoint = trained / "ckpt" / "llama-lp_fsdp-0.0.ckpt"
     calls = []
@@ -226,7 +232,7 @@ def test_interrupted_export_leaves_nothing_that_looks_complete(trained: Path, tm
 def test_a_killed_exports_hidden_directory_is_removed_by_the_next(trained: Path, tmp_path: Path) -> None:
     """SIGKILL runs no cleanup: its ``.OUT.partial-PID`` stays until the next export to OUT, which removes it
     once that process is gone (a live export's directory is left alone)."""
-    from lightning_par import export
+    from lightning_par.strategies.checkpoint import export
 
     checkpoint = trained / "ckpt" / "llama-lp_fsdp-0.0.ckpt"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -241,7 +247,13 @@ def test_a_killed_exports_hidden_directory_is_removed_by_the_next(trained: Path,
     assert (tmp_path / "out" / "config.json").exists()
 
 
-def test_bad_export_input_is_one_line(trained: Path, tmp_path: Path) -> None:
+def test_bad_export_input_is_one_line(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bad input: exit 2 and one ``error:`` line (plus argparse's usage for its own errors), nothing
+    written. The cases run through ``main`` in this process; the first also as the command, whose stderr
+    is that one line too (no traceback, no warnings)."""
+    from lightning_par.strategies.checkpoint import export
+
     checkpoint = trained / "ckpt" / "llama-lp_fsdp-0.0.ckpt"
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
@@ -256,10 +268,19 @@ def test_bad_export_input_is_one_line(trained: Path, tmp_path: Path) -> None:
         (str(checkpoint), str(checkpoint.parent), "--overwrite"): "holds the checkpoint",
         (str(tmp_path / "file"), str(tmp_path / "d")): "is a single-file checkpoint",
     }
+    proc = _export(*next(iter(cases)))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0], \
+        proc.stderr
+    monkeypatch.chdir(trained.parent)  # "." is a directory the run does not own, as the command's cwd was
     for args, expected in cases.items():
-        proc = _export(*args)
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr)
+        try:
+            code = export.main(list(args))
+        except SystemExit as e:  # argparse's own refusal
+            code = e.code
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and expected in err, (args, err)
         errors = [line for line in lines if "error:" in line]
         usage = [line for line in lines if line.startswith(("usage:", " "))]  # argparse's usage, for its own errors
         assert len(errors) == 1 and len(errors) + len(usage) == len(lines), lines
@@ -276,7 +297,7 @@ def test_the_app_fine_tunes_a_checkpoint_and_exports_it_at_the_end(trained: Path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf import HFCausalLM
+    from lightning_par.models.hf.causal_lm import HFCausalLM
 
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=hf_causal_lm", f"model.pretrained={trained}/llama",
@@ -316,7 +337,7 @@ def test_transformers_save_pretrained_on_every_rank_of_a_sharded_model(trained: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lightning_par.models.pretrained import pretrained_config
+    from lightning_par.models.hf.pretrained import pretrained_config
 
     report = json.loads((trained / "saved" / "report.json").read_text())
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
@@ -372,4 +393,4 @@ def test_save_pretrained_on_rank_0_alone_and_elsewhere(trained: Path) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     pipeline = report["qwen2-lp_pipeline-0.5"]
     assert pipeline["installed"] and "pipeline stages" in pipeline["error"] and "\n" not in pipeline["error"], pipeline
-    assert "lightning_par.export.save_pretrained(trainer, DIR)" in pipeline["error"]
+    assert "lightning_par.strategies.checkpoint.export.save_pretrained(trainer, DIR)" in pipeline["error"]

@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent('''
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM,
                               AutoModelForSeq2SeqLM)
     import lightning_par.strategies  # registers lp_single, lp_zero3, ...
-    from lightning_par.parallel.ties import tied_parameters
+    from lightning_par.parallel.init.ties import tied_parameters
 
     SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256,
                  max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -415,11 +415,17 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_script(tmp_path_factory.mktemp("four"), 4, [(fam, "lp_hsdp") for fam in OTHERS] + TP_FOUR)
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every 2-rank cell in one run (one process start per rank); both tests below read it."""
+    return run_script(tmp_path_factory.mktemp("two"), 2, cells())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_every_family_under_every_strategy_matches_single_or_is_refused_in_one_line(
-        tmp_path: Path, ref: dict, four_ranks: dict) -> None:
-    got = {**run_script(tmp_path, 2, cells()), **four_ranks}
+        ref: dict, two_ranks: dict, four_ranks: dict) -> None:
+    got = {**two_ranks, **four_ranks}
     outcome, reasons = {}, {}
     for fam in FAMILIES + sorted({f for f, _ in SYNC_EP}):
         base = ref[f"{fam}/lp_single"]
@@ -473,15 +479,15 @@ def test_every_family_under_every_strategy_matches_single_or_is_refused_in_one_l
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_derived_and_fused_expert_tp_plans_match_single(tmp_path: Path, ref: dict, four_ranks: dict) -> None:
+def test_derived_and_fused_expert_tp_plans_match_single(ref: dict, two_ranks: dict, four_ranks: dict) -> None:
     """The tensor-parallel cells issue 19 added, on their own: GPT-2 (tied; plan derived, packed ``c_attn``),
     OPT (tied; derived), Falcon (tied; derived, ``query_key_value`` fused per key/value group), and Mixtral
     and Qwen2-MoE (their own plans: ``packed_colwise`` experts, ``moe_tp_experts``) under lp_tensor_parallel at 2 ranks, GPT-2 and OPT (tied) under lp_fsdp_tp at 4 (dp=2 x tp=2)
     and Mixtral at tp=2 x ep=2 (expert parallelism splits the experts, tensor parallelism leaves them
-    whole: never both), each step's loss within rtol 1e-5 of lp_single's. The 4-rank cells share their
-    processes with the matrix's HSDP cells (``four_ranks``)."""
+    whole: never both), each step's loss within rtol 1e-5 of lp_single's. The cells share their processes
+    with the matrix's (``two_ranks``, ``four_ranks``)."""
     fams = ["gpt2", "opt", "mixtral", "qwen2_moe", "falcon"]
-    got = run_script(tmp_path, 2, [(fam, "lp_tensor_parallel") for fam in fams])
+    got = {f"{fam}/lp_tensor_parallel": two_ranks[f"{fam}/lp_tensor_parallel"] for fam in fams}
     got.update({f"{fam}/{s}": four_ranks[f"{fam}/{s}"] for fam, s in TP_FOUR})
     for key, cell in got.items():
         fam = key.split("/")[0]

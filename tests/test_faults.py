@@ -31,8 +31,8 @@ from omegaconf import OmegaConf
 from lightning_par import ConfigError
 from lightning_par.callbacks.summary import json_safe
 from lightning_par.data import TextDataModule
-from lightning_par.jobs import LOCK_FILE, RunDirInUse, RunDirLock
-from lightning_par.train import _write_child_config, latest_checkpoint
+from lightning_par.core.jobs import LOCK_FILE, RunDirInUse, RunDirLock
+from lightning_par.run.train import _write_child_config, latest_checkpoint
 from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
 
 DDP2 = [*QUICK, "strategy=ddp", "trainer.devices=2"]
@@ -188,7 +188,7 @@ def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path)
     held.release()
     RunDirLock(tmp_path).acquire().release()  # free again once released
     # a holder that dies without releasing (SIGKILL): its lock goes with it
-    code = (f"import os, signal; from lightning_par.jobs import RunDirLock; RunDirLock({str(tmp_path)!r}).acquire(); "
+    code = (f"import os, signal; from lightning_par.core.jobs import RunDirLock; RunDirLock({str(tmp_path)!r}).acquire(); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     dead = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60)
     assert dead.returncode == -signal.SIGKILL
@@ -431,7 +431,7 @@ def test_a_dead_child_is_the_jobs_error_only_when_it_explains_rank_0s(child, ran
 # ------------------------------------------------------- the main process killed by the kernel (rank 0)
 _KILL_ME = """
 import os, signal, sys
-from lightning_par.exit_watch import ExitWatch
+from lightning_par.core.exit_watch import ExitWatch
 watch = ExitWatch.get()
 print(watch._proc.pid, flush=True)
 watch.job_started(sys.argv[1], ["model=gpt_tiny"])
@@ -483,5 +483,5 @@ def test_rank_0_killed_by_the_kernel_is_recorded(tmp_path):
     assert err["type"] == "Killed" and "rank 0 (the main process" in err["error"] and "sent by a person or a scheduler" in err["error"]
     assert "trainer.devices=2" in err["overrides"], err
     assert not (run_dir / "summary.json").exists()
-    out = subprocess.run(["pgrep", "-f", f"lightning_par.child.*{run_dir}"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"lightning_par.run.child.*{run_dir}"], capture_output=True, text=True)
     assert out.stdout.strip() == "", f"rank 1 outlived rank 0: {out.stdout}"

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_par import ConfigError
-from lightning_par.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler
+from lightning_par.core.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler
 from tests.helpers import composed
 
 HF = "model=hf_causal_lm"
@@ -93,7 +93,7 @@ def test_a_fine_tune_writes_checkpoints_by_default(tiny: Path, tmp_path: Path, o
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_par.callbacks.checkpoint import RunCheckpoint
-    from lightning_par.train import build
+    from lightning_par.run.train import build
 
     args = [f"model.pretrained={tiny}" if o == "FINETUNE" else o for o in overrides]
     cfg = composed(HF, "data.seq_len=32", *args, tmp=tmp_path)
@@ -132,7 +132,7 @@ def test_the_last_step_is_checkpointed_once(tmp_path: Path) -> None:
 
 
 def test_exporting_a_checkpoint_that_is_not_there_says_how_to_get_one(tmp_path: Path) -> None:
-    from lightning_par.export import export
+    from lightning_par.strategies.checkpoint.export import export
 
     run = tmp_path / "run"
     run.mkdir()

@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # multi-process runs
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

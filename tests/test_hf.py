@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_par.models.hf import HFCausalLM, LogitsOnly
-from lightning_par.parallel.hf_plan import (
+from lightning_par.models.hf.causal_lm import HFCausalLM, LogitsOnly
+from lightning_par.parallel.hf.plan import (
     HF_STYLES,
     check_tied,
     declared_ties,
@@ -27,8 +27,9 @@ from lightning_par.parallel.hf_plan import (
     tied_parameters,
     verify_ties,
 )
-from lightning_par.parallel.pipeline import build_stage_modules
-from tests.helpers import assert_losses_match, run_cli, train_summary
+from lightning_par.parallel.pipeline.schedule import build_stage_modules
+from lightning_par.parallel.hf.stages import hf_stage_runner
+from tests.helpers import assert_losses_match
 
 ROPE_ARCHS = ("llama", "qwen2", "mistral")
 
@@ -75,11 +76,11 @@ def test_plan_of_gpt2():
     m = built("gpt2", tie_word_embeddings=True)
     plan = m.parallel_plan()
     assert plan.blocks == ("net.transformer.h.0", "net.transformer.h.1", "net.transformer.h.2")
-    # GPT-2 declares no pipeline plan: this one is derived from its forward (hf_pp_derive.py)
+    # GPT-2 declares no pipeline plan: this one is derived from its forward (hf/pp_derive.py)
     assert plan.layers == ("net.transformer.wte", "net.transformer.wpe", *plan.blocks, "net.transformer.ln_f",
                            "net.lm_head")
     assert plan.stage_starts == (0, 2, 3, 4, 5, 6)  # never at wpe: it is called with the position ids
-    # nor a tensor-parallel one: it is derived (hf_tp_derive.py), q|k|v packed in the fused c_attn
+    # nor a tensor-parallel one: it is derived (hf/tp_derive.py), q|k|v packed in the fused c_attn
     assert plan.tp_plan["net.transformer.h.*.attn.c_attn"] == "packed_colwise:3" and not plan.tp_refusal
     assert tied_parameters(m) == [("net.transformer.wte.weight", "net.lm_head.weight")]
     assert declared_ties(m) == [("net.transformer.wte.weight", "net.lm_head.weight")]
@@ -240,7 +241,7 @@ def test_pipeline_stages_compute_the_whole_model(arch):
     whole = m(x)
     plan = m.parallel_plan()
     stages = build_stage_modules(m, layers=plan.layers, boundaries=[0, 2, 4, len(plan.layers)],
-                                 stage_indices=[0, 1, 2])
+                                 stage_indices=[0, 1, 2], stage_runner=hf_stage_runner)
     h = x
     for stage in stages:
         h = stage(h)
@@ -289,7 +290,7 @@ def test_bad_sizes_are_one_line_errors():
 
 def test_missing_transformers_says_how_to_install():
     code = ("import sys\n"
-            "from lightning_par.models.hf import HFCausalLM\n"
+            "from lightning_par.models.hf.causal_lm import HFCausalLM\n"
             "sys.modules['transformers'] = None  # as if not installed\n"
             "try:\n    HFCausalLM()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -312,39 +313,50 @@ def test_realistic_preset_size():
 # ---------------------------------------------------------------------------------------------
 # End to end: loss parity with the single-device run (subprocesses through run.py)
 
-RUN = ["trainer.max_steps=12", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
-       "data.seq_len=64", "data.global_batch_size=8", "data.max_bytes=400000"]
+# The runs are Hydra multiruns shared through tests/sweeps.py (one parent process per sweep, not one per
+# cell): 12 steps of the quick experiment (seq 64, global batch 8) on a tiny Llama and a tiny GPT-2.
+DATA = "data.max_bytes=400000"
+MODELS = "model=hf_llama_tiny,hf_gpt2_tiny"
 PARITY = {  # strategy -> devices
     "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3_offload": 2, "fsdp": 2, "hsdp": 4,
     "tensor_parallel": 2, "pipeline": 2, "fsdp_tp": 4, "3d": 4,  # 3d: pp=2 x tp=2 (dp=1)
 }
-_runs: dict[tuple, dict] = {}
 
 
-def summary_of(model: str, strategy: str, devices: int, tmp_path_factory) -> dict:
-    key = (model, strategy, devices)
-    if key not in _runs:
-        run_dir = tmp_path_factory.mktemp(f"{model}-{strategy}-{devices}")
-        _runs[key] = train_summary([f"model={model}", f"strategy={strategy}", f"trainer.devices={devices}", *RUN],
-                                   run_dir, timeout=400)
-    return _runs[key]
+def _by_model_and_strategy(summaries: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(s["model"], s["strategy"]): s for s in summaries}
+
+
+def summary_of(model: str, strategy: str) -> dict:
+    """The run of ``model`` under ``strategy`` (``single``: the reference) from the shared sweeps."""
+    from tests.sweeps import sweep
+
+    two = [s for s, d in PARITY.items() if d == 2]
+    four = [s for s, d in PARITY.items() if d == 4]
+    if strategy in ("single", *two):
+        runs = sweep(MODELS, f"strategy=single,{','.join(two)}", "trainer.devices=2", DATA, timeout=1400)
+    else:
+        runs = sweep(MODELS, f"strategy={','.join(four)}", "trainer.devices=4", DATA, timeout=1400)
+    return _by_model_and_strategy(runs)[(model, strategy)]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("strategy", list(PARITY))
-def test_llama_parity(strategy, tmp_path_factory):
-    ref = summary_of("hf_llama_tiny", "single", 1, tmp_path_factory)
-    got = summary_of("hf_llama_tiny", strategy, PARITY[strategy], tmp_path_factory)
+def test_llama_parity(strategy):
+    ref = summary_of("hf_llama_tiny", "single")
+    got = summary_of("hf_llama_tiny", strategy)
+    assert got["world_size"] == PARITY[strategy] and ref["world_size"] == 1
     assert_losses_match(got, ref)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("strategy", list(PARITY))
-def test_gpt2_tied_parity(strategy, tmp_path_factory):  # pipeline, tensor_parallel, fsdp_tp, 3d: derived plans
-    ref = summary_of("hf_gpt2_tiny", "single", 1, tmp_path_factory)
-    got = summary_of("hf_gpt2_tiny", strategy, PARITY[strategy], tmp_path_factory)
+def test_gpt2_tied_parity(strategy):  # pipeline, tensor_parallel, fsdp_tp, 3d: derived plans
+    ref = summary_of("hf_gpt2_tiny", "single")
+    got = summary_of("hf_gpt2_tiny", strategy)
+    assert got["world_size"] == PARITY[strategy]
     # unsharded strategies hold each parameter once: an untied lm_head would add a vocab x hidden matrix
     for summary in (ref, got) if strategy in ("ddp", "zero1", "zero2") else (ref,):
         assert summary["memory"][0]["params"] == 4 * summary["n_params"], f"{summary['strategy']} untied the embeddings"
@@ -352,31 +364,36 @@ def test_gpt2_tied_parity(strategy, tmp_path_factory):  # pipeline, tensor_paral
     assert_losses_match(got, ref)
 
 
-TIED = ["model=hf_llama_tiny", "model.tie_word_embeddings=true", *RUN]
-CLIP = ["trainer.gradient_clip_val=0.05"]  # small enough that every step clips: the norm must count the weight once
+TIED = ("model=hf_llama_tiny", "model.tie_word_embeddings=true", DATA)
+CLIP = "trainer.gradient_clip_val=0.05"  # small enough that every step clips: the norm must count the weight once
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy,devices,extra", [
-    ("tensor_parallel", 2, []), ("pipeline", 2, []), ("fsdp_tp", 4, []), ("3d", 4, []), ("pipeline", 2, CLIP)])
-def test_tied_llama_model_parallel_matches_single(strategy, devices, extra, tmp_path_factory):
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("strategy,devices,clip", [
+    ("tensor_parallel", 2, False), ("pipeline", 2, False), ("fsdp_tp", 4, False), ("3d", 4, False),
+    ("pipeline", 2, True)])
+def test_tied_llama_model_parallel_matches_single(strategy, devices, clip):
     """Tied embeddings under every model-parallel layout. Tensor parallelism: one vocabulary-split
     weight for the embedding and the LM head. Pipelines (and 3d): the first and last stage each hold a
     copy, broadcast equal after materialisation, their gradients summed every step, counted once by
-    global-norm clipping (``parallel/pipeline_ties.py``)."""
-    key = ("tied-single", *extra)
-    if key not in _runs:
-        _runs[key] = train_summary([*TIED, *extra, "strategy=single"], tmp_path_factory.mktemp("tied-single"),
-                                   timeout=400)
-    got = train_summary([*TIED, *extra, f"strategy={strategy}", f"trainer.devices={devices}"],
-                        tmp_path_factory.mktemp(f"tied-{strategy}"), timeout=400)
-    assert_losses_match(got, _runs[key])
+    global-norm clipping (``parallel/pipeline/stage_ties.py``)."""
+    from tests.sweeps import by_strategy, sweep
+
+    if clip:
+        runs = by_strategy(sweep(*TIED, CLIP, "strategy=single,pipeline", "trainer.devices=2"))
+    elif devices == 2:
+        runs = by_strategy(sweep(*TIED, "strategy=single,tensor_parallel,pipeline", "trainer.devices=2"))
+    else:
+        runs = {**by_strategy(sweep(*TIED, "strategy=single,tensor_parallel,pipeline", "trainer.devices=2")),
+                **by_strategy(sweep(*TIED, "strategy=fsdp_tp,3d", "trainer.devices=4"))}
+    assert runs[strategy]["world_size"] == devices
+    assert_losses_match(runs[strategy], runs["single"])
 
 
 def test_sequence_parallel_refuses_plans_without_norm_entries():
     from lightning_par.models.gpt import GPT, GPTConfig
-    from lightning_par.parallel.tensor_parallel import check_sequence_parallel
+    from lightning_par.parallel.tensor.tensor_parallel import check_sequence_parallel
 
     with pytest.raises(ValueError, match="set sequence_parallel=false"):
         check_sequence_parallel(tiny("llama").parallel_plan().tp_plan)
@@ -384,11 +401,11 @@ def test_sequence_parallel_refuses_plans_without_norm_entries():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("strategy", ["zero3", "pipeline"])
-def test_llama_activation_checkpointing_parity(strategy, tmp_path_factory):
-    ref = summary_of("hf_llama_tiny", "single", 1, tmp_path_factory)
-    run_dir = tmp_path_factory.mktemp(f"ac-{strategy}")
-    got = train_summary(["model=hf_llama_tiny", f"strategy={strategy}", "strategy.activation_checkpointing=true",
-                         "trainer.devices=2", *RUN], run_dir, timeout=400)
-    assert_losses_match(got, ref)
+def test_llama_activation_checkpointing_parity(strategy):
+    from tests.sweeps import by_strategy, sweep
+
+    got = by_strategy(sweep("model=hf_llama_tiny", "strategy=zero3,pipeline", "strategy.activation_checkpointing=true",
+                            "trainer.devices=2", DATA))[strategy]
+    assert_losses_match(got, summary_of("hf_llama_tiny", "single"))

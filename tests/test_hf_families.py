@@ -9,13 +9,13 @@ import pytest
 
 def test_pipeline_tie_refusals_give_advice_that_can_be_followed() -> None:
     """A pipeline keeps a tie whose uses all lie inside pipeline layers (a copy per stage, kept equal:
-    ``pipeline_ties.py``), so tied Llama passes with its own plan. A use outside every layer is refused,
+    ``pipeline/stage_ties.py``), so tied Llama passes with its own plan. A use outside every layer is refused,
     with advice that works: Llama's head tie goes with tie_word_embeddings=false (and the untied
     model passes); T5's shared table stays tied whatever the flag, so T5 is not told to set it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
-    from lightning_par.parallel.hf_plan import check_tied
+    from lightning_par.parallel.hf.plan import check_tied
 
     def llama(tie: bool):
         cfg = AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -3,7 +3,7 @@
 Every causal-LM family whose config declares a ``base_model_ep_plan`` (its experts module, style
 ``ep_dispatch_experts``) is built from a tiny config (``models/hf_registry.tiny_config``) and trained
 4 SGD steps at 2 ranks, each rank on its own half of the batch: once whole on one process over the
-full batch, once with the experts split over ep=2 by ``parallel/expert_parallel.py`` (tokens sent to
+full batch, once with the experts split over ep=2 by ``parallel/tensor/expert_parallel.py`` (tokens sent to
 their expert's rank by all-to-all, the module's own forward on the local experts), the non-expert
 gradients averaged over the ranks. The outcome is one of:
 
@@ -33,9 +33,10 @@ def _one(model_type: str, mesh) -> tuple[str, str]:  # noqa: ANN001
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.parallel.expert_parallel import apply_expert_parallel, expert_parameters
-    from lightning_par.parallel.gradients import average_gradients
-    from lightning_par.parallel.hf_plan import hf_parallel_plan
+    from lightning_par.parallel.tensor.expert_parallel import apply_expert_parallel, expert_parameters
+    from lightning_par.parallel.sharding.gradients import average_gradients
+    from lightning_par.parallel.hf.experts import install
+    from lightning_par.parallel.hf.plan import hf_parallel_plan
 
     try:
         config = moe_tiny_config(model_type)
@@ -84,7 +85,7 @@ def _one(model_type: str, mesh) -> tuple[str, str]:  # noqa: ANN001
     except Exception as e:  # noqa: BLE001 - transformers' own model fails at the tiny sizes, unsplit
         return "unbuildable", f"unsplit: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     try:
-        apply_expert_parallel(split, ep_mesh=mesh, experts=plan.experts)
+        apply_expert_parallel(split, ep_mesh=mesh, experts=plan.experts, install=install)
     except ValueError as e:
         return "refused", f"{type(whole).__name__}: {e}"
 
@@ -117,7 +118,7 @@ def moe_tiny_config(model_type: str):  # noqa: ANN201
     shared expert, attention layer types. The first candidate that runs is used."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf_registry import tiny_config
+    from lightning_par.models.hf.registry import tiny_config
 
     base = tiny_config(model_type)
     n = base.num_hidden_layers
@@ -164,7 +165,7 @@ def _walk(rank: int, world: int, families: list[str]) -> dict[str, tuple[str, st
 def families_with_ep_plan() -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from lightning_par.models.hf_registry import causal_lm_types
+    from lightning_par.models.hf.registry import causal_lm_types
 
     out = []
     for mt in causal_lm_types():

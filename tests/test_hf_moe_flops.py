@@ -1,4 +1,4 @@
-"""The throughput callback's FLOP count for Hugging Face MoE models (``parallel/hf_flops.py``).
+"""The throughput callback's FLOP count for Hugging Face MoE models (``parallel/hf/flops.py``).
 
 The count runs on a meta copy, which transformers' default experts implementation (``grouped_mm``:
 bf16-only meta kernel) and eager (``nonzero``) cannot run; the copy's experts are switched to
@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_par.callbacks.summary import format_summary
 from lightning_par.callbacks.throughput import ThroughputMonitor, count_model_flops
-from lightning_par.models.hf import HFCausalLM, LogitsOnly
+from lightning_par.models.hf.causal_lm import HFCausalLM, LogitsOnly
 
 BATCH, SEQ = 2, 16
 REL = 1e-6  # the counter and the analytic count both count exactly the matmuls

@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_par.callbacks.moe import HFExpertCounts, MoEMonitor
 from lightning_par.parallel.contract import STATS_ATTR, forward_stats_sources
-from lightning_par.parallel.hf_plan import hf_enable_checkpointing
+from lightning_par.parallel.hf.plan import hf_enable_checkpointing
 from tests.sweeps import sweep
 
 TOP_K, EXPERTS = 2, 4

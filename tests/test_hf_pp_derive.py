@@ -1,4 +1,4 @@
-"""A pipeline plan derived for a Hugging Face decoder that declares none (``parallel/hf_pp_derive.py``):
+"""A pipeline plan derived for a Hugging Face decoder that declares none (``parallel/hf/pp_derive.py``):
 the layers in call order, and where a stage may start. A cut where the forward does not pass the
 previous layer's output on (GPT-2 between ``wte`` and ``wpe``: ``wpe`` is called with the position
 ids) would train a wrong model without any error, so it is refused in one line wherever a cut is
@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_par.models.hf import HFCausalLM
-from lightning_par.parallel.hf_pipeline import check_hf_pipeline
-from lightning_par.parallel.hf_plan import hf_parallel_plan
-from lightning_par.parallel.pipeline import balance_layers, build_stage_modules
-from lightning_par.parallel.stages import check_stage_starts, measure_layer_times, resolve_split_points
+from lightning_par.models.hf.causal_lm import HFCausalLM
+from lightning_par.parallel.hf.stages import check_hf_pipeline
+from lightning_par.parallel.hf.plan import hf_parallel_plan
+from lightning_par.parallel.pipeline.schedule import balance_layers, build_stage_modules
+from lightning_par.parallel.pipeline.stages import check_stage_starts, measure_layer_times, resolve_split_points
 from lightning_par.strategies.pipeline import PipelineStrategy
+from lightning_par.parallel.hf.stages import hf_stage_runner
 
 GPT2_LAYERS = ("transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.ln_f",
                "lm_head")
@@ -88,7 +89,7 @@ def test_the_disallowed_cut_is_not_the_model():
     for bounds, equal in (([0, 2, 6], True), ([0, 1, 6], False)):
         x = ids
         try:
-            for stage in build_stage_modules(model, layers=GPT2_LAYERS, boundaries=bounds, stage_indices=range(2)):
+            for stage in build_stage_modules(model, layers=GPT2_LAYERS, boundaries=bounds, stage_indices=range(2), stage_runner=hf_stage_runner):
                 x = stage(x)
         except RuntimeError:
             x = None
@@ -107,7 +108,7 @@ def test_the_derived_plan_cuts_gpt2_exactly_with_its_tie():
         model.zero_grad(set_to_none=True)
         x = ids
         for stage in build_stage_modules(model, layers=plan.layers, boundaries=bounds,
-                                         stage_indices=range(len(bounds) - 1)):
+                                         stage_indices=range(len(bounds) - 1), stage_runner=hf_stage_runner):
             x = stage(x)
         F.cross_entropy(x.flatten(0, 1), ids.flatten()).backward()
         torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
@@ -140,7 +141,7 @@ def test_time_balance_measures_from_one_allowed_start_to_the_next():
     model = gpt2()
     plan = hf_parallel_plan(model)
     costs = measure_layer_times(model, plan.layers, torch.zeros(2, 8, dtype=torch.long), repeats=1,
-                                starts=plan.stage_starts)
+                                starts=plan.stage_starts, stage_runner=hf_stage_runner)
     assert len(costs) == 6 and costs[1] == 0.0 and all(c > 0 for i, c in enumerate(costs) if i != 1)
     assert all(p.grad is None for p in model.parameters())
     assert balance_layers(costs, 2, plan.stage_starts)[1] != 1

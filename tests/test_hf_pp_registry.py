@@ -1,9 +1,9 @@
 """Pipeline cuts across transformers' registry: every causal-LM family is built from a tiny config
-(``models/hf_registry.tiny_config``), cut into stages by its own plan (``hf_plan.hf_layers``: the
+(``models/hf_registry.tiny_config``), cut into stages by its own plan (``hf.plan.hf_layers``: the
 config's ``base_model_pp_plan``, or for a family declaring none -- GPT-2, OPT, Falcon, Bloom, ... --
-the plan derived from its forward, ``parallel/hf_pp_derive.py``, with the layers a stage may start
+the plan derived from its forward, ``parallel/hf/pp_derive.py``, with the layers a stage may start
 at), and the stages -- each running the model's own forward around its layers
-(``parallel/hf_pipeline.py``) -- are chained in one process. Their logits and every parameter's
+(``parallel/hf/stages.py``) -- are chained in one process. Their logits and every parameter's
 gradient must equal the whole model's (rtol 1e-5) at two cuts: between decoder layers, and right
 before the head (for a derived plan: the allowed stage starts nearest to those). One process
 suffices: what a pipeline adds across ranks (the send/receive of the boundary tensor, the
@@ -11,7 +11,7 @@ schedules) does not depend on the family and is tested at 2 and 4 ranks elsewher
 (tests/test_pipeline_own_forward.py, test_e2e_model_parallel.py, test_family_matrix.py).
 
 Outcomes: **parity**; **refused** -- one line before launch (``check_hf_pipeline``: a forward that
-cannot be cut; ``hf_pp_derive``: no plan can be derived); **unbuildable** -- transformers cannot build or run the family whole at the tiny
+cannot be cut; ``hf.pp_derive``: no plan can be derived); **unbuildable** -- transformers cannot build or run the family whole at the tiny
 sizes; **failed** -- the test fails. Calling decoder layers with hidden states alone (the old
 stage code) fails this test for every family whose layers need a mask or rotary tables.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning_par.parallel.hf.stages import hf_stage_runner
 
 MAX_PARAMS = 5_000_000
 SEQ = 16
@@ -29,7 +30,7 @@ SEQ = 16
 def families_with_pp_plan() -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from lightning_par.models.hf_registry import causal_lm_types
+    from lightning_par.models.hf.registry import causal_lm_types
 
     return [mt for mt in causal_lm_types() if getattr(CONFIG_MAPPING[mt], "base_model_pp_plan", None)]
 
@@ -37,7 +38,7 @@ def families_with_pp_plan() -> list[str]:
 def families_without_pp_plan() -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from lightning_par.models.hf_registry import causal_lm_types
+    from lightning_par.models.hf.registry import causal_lm_types
 
     return [mt for mt in causal_lm_types() if not getattr(CONFIG_MAPPING[mt], "base_model_pp_plan", None)]
 
@@ -53,10 +54,10 @@ def two_cuts(n: int, starts: tuple[int, ...]) -> list[list[int]]:
 def _one(model_type: str) -> tuple[str, str]:
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf_registry import tiny_config
-    from lightning_par.parallel.hf_pipeline import check_hf_pipeline
-    from lightning_par.parallel.hf_plan import hf_layers, hf_stage_starts
-    from lightning_par.parallel.pipeline import build_stage_modules
+    from lightning_par.models.hf.registry import tiny_config
+    from lightning_par.parallel.hf.stages import check_hf_pipeline
+    from lightning_par.parallel.hf.plan import hf_layers, hf_stage_starts
+    from lightning_par.parallel.pipeline.schedule import build_stage_modules
 
     try:
         config = tiny_config(model_type)
@@ -87,7 +88,7 @@ def _one(model_type: str) -> tuple[str, str]:
         whole.zero_grad(set_to_none=True)
         try:
             x = ids
-            for stage in build_stage_modules(whole, layers=layers, boundaries=bounds, stage_indices=range(2)):
+            for stage in build_stage_modules(whole, layers=layers, boundaries=bounds, stage_indices=range(2), stage_runner=hf_stage_runner):
                 x = stage(x)
             F.cross_entropy(x[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
             torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5, msg=f"logits, cut at {bounds}")
@@ -108,7 +109,7 @@ def readme_counts_match(outcome: dict[str, tuple[str, str]], pattern: str) -> No
 
     import transformers
 
-    from lightning_par.parallel.hf_tp_verified import MEASURED_WITH
+    from lightning_par.parallel.hf.tp_verified import MEASURED_WITH
 
     if not transformers.__version__.startswith(MEASURED_WITH):
         return  # another transformers: other families, other counts; the outcome checks above still hold

@@ -1,9 +1,9 @@
 """Every causal-LM family in transformers' registry that declares a tensor-parallel plan (or gets one
-derived, ``parallel/hf_tp_derive.py``: GPT-2, OPT), at tp=2.
+derived, ``parallel/hf/tp_derive.py``: GPT-2, OPT), at tp=2.
 
-The families come from transformers itself (``models/hf_registry.py``), each built from a tiny
+The families come from transformers itself (``models/hf/registry.py``), each built from a tiny
 config of its own. For each: the same model, twice on each of 2 gloo ranks -- one copy whole, one
-split by its own plan translated to ours (``parallel/hf_plan.py``, the code the tensor_parallel
+split by its own plan translated to ours (``parallel/hf/plan.py``, the code the tensor_parallel
 strategy runs) -- trained 4 SGD steps on the same tokens, dropout off. The outcome is one of:
 
 - ``parity``: every step's loss within rtol 1e-5 of the whole model's, and every parameter after
@@ -15,7 +15,7 @@ strategy runs) -- trained 4 SGD steps on the same tokens, dropout off. The outco
 - ``unbuildable``: transformers cannot build or run the family, unsplit, at the tiny sizes (not
   ours to judge; counted apart);
 - ``failed``: the split model crashed or diverged. Such a family must not be in
-  ``parallel/hf_tp_verified.py``'s set, which the tensor_parallel strategy requires of a Hugging Face
+  ``parallel/hf/tp_verified.py``'s set, which the tensor_parallel strategy requires of a Hugging Face
   family (the test checks the set equals the families with parity), so it is refused before launch.
 
 The counts are printed (``-n 0 -s``: one process, output shown) and, on the transformers version the verified set was measured
@@ -32,7 +32,7 @@ import pytest
 import torch
 import transformers
 
-from lightning_par.parallel.hf_tp_verified import MEASURED_WITH, VERIFIED_TP_FAMILIES
+from lightning_par.parallel.hf.tp_verified import MEASURED_WITH, VERIFIED_TP_FAMILIES
 from tests.dist import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,9 +45,9 @@ def _one(model_type: str, mesh) -> tuple[str, str]:  # noqa: ANN001
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf_registry import tiny_config
-    from lightning_par.parallel.hf_plan import hf_tp_divisible, hf_tp_plan
-    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_par.models.hf.registry import tiny_config
+    from lightning_par.parallel.hf.plan import hf_tp_divisible, hf_tp_plan
+    from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
 
     try:
         config = tiny_config(model_type)
@@ -127,7 +127,7 @@ def _walk(rank: int, world: int, families: list[str]) -> dict[str, tuple[str, st
 
 
 def families_with_plan() -> list[str]:
-    from lightning_par.models.hf_registry import causal_lm_types, declared_tp_plan
+    from lightning_par.models.hf.registry import causal_lm_types, declared_tp_plan
 
     out = []
     for mt in causal_lm_types():
@@ -140,9 +140,9 @@ def families_with_plan() -> list[str]:
 
 
 def families_derived() -> list[str]:
-    """Registry families that declare no plan but get one derived (``parallel/hf_tp_derive.py``)."""
-    from lightning_par.models.hf_registry import causal_lm_types
-    from lightning_par.parallel.hf_tp_derive import DERIVED
+    """Registry families that declare no plan but get one derived (``parallel/hf/tp_derive.py``)."""
+    from lightning_par.models.hf.registry import causal_lm_types
+    from lightning_par.parallel.hf.tp_derive import DERIVED
 
     return [mt for mt in causal_lm_types() if mt in DERIVED]
 
@@ -173,8 +173,8 @@ def test_every_family_with_a_tp_plan_runs_or_is_refused_in_one_line() -> None:
         assert parity == VERIFIED_TP_FAMILIES, sorted(parity - VERIFIED_TP_FAMILIES)
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf_registry import tiny_config
-    from lightning_par.parallel.hf_plan import hf_parallel_plan
+    from lightning_par.models.hf.registry import tiny_config
+    from lightning_par.parallel.hf.plan import hf_parallel_plan
 
     for mt in failed:  # what diverged or crashed is refused, in one line naming the family, before launch
         with torch.device("meta"):
@@ -204,9 +204,9 @@ def _tied(rank: int, world: int, families: list[str]) -> dict[str, tuple[bool, f
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf_registry import tiny_config
-    from lightning_par.parallel.hf_plan import hf_parallel_plan
-    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_par.models.hf.registry import tiny_config
+    from lightning_par.parallel.hf.plan import hf_parallel_plan
+    from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -257,10 +257,10 @@ def _checkpoint(rank: int, world: int, families: list[str], root: str) -> dict[s
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf_registry import tiny_config
-    from lightning_par.parallel.hf_plan import hf_tp_divisible, hf_tp_plan
-    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
-    from lightning_par.parallel.tp_styles import gather_packed, scatter_packed
+    from lightning_par.models.hf.registry import tiny_config
+    from lightning_par.parallel.hf.plan import hf_tp_divisible, hf_tp_plan
+    from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
+    from lightning_par.parallel.tensor.tp_styles import gather_packed, scatter_packed
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -299,7 +299,7 @@ def test_packed_weights_checkpoint_as_the_whole_model(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.models.hf_registry import tiny_config
+    from lightning_par.models.hf.registry import tiny_config
 
     families = ["gpt2", "mixtral"]
     result = run_distributed(_checkpoint, 2, families, str(tmp_path), timeout=240)

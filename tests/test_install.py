@@ -55,7 +55,7 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     instead of installing them again. Python runs the ``.pth`` files of site directories only, not
     of directories a ``.pth`` line adds, so this environment's editable lightning_par (an ``.pth``
     hook) cannot shadow the wheel there -- checked below. Then, from an empty directory: a 2-rank
-    DDP run (rank 1 is ``python -m lightning_par.child`` of the installed package) and its report."""
+    DDP run (rank 1 is ``python -m lightning_par.run.child`` of the installed package) and its report."""
     src = tmp_path / "src"  # the files the wheel is built from, so no build/ lands in the checkout
     shutil.copytree(ROOT / "lightning_par", src / "lightning_par", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
@@ -64,7 +64,7 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("lightning_par-*.whl")
     packed = zipfile.ZipFile(wheel).namelist()
     for f in ("lightning_par/conf/__init__.py", "lightning_par/conf/config.yaml", "lightning_par/conf/strategy/ddp.yaml",
-              "lightning_par/conf/hydra/launcher/slurm.yaml", "lightning_par/child.py", "lightning_par/report.py"):
+              "lightning_par/conf/hydra/launcher/slurm.yaml", "lightning_par/run/child.py", "lightning_par/tools/report.py"):
         assert f in packed, f
 
     venv = tmp_path / "venv"
@@ -86,7 +86,7 @@ def test_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
          empty, 300, env)
     (summary_file,) = empty.glob("outputs/*/*/summary.json")
     summary = json.loads(summary_file.read_text())
-    # rank 1 ran (``python -m lightning_par.child``, from the wheel: the checkout is not on its path) and reported
+    # rank 1 ran (``python -m lightning_par.run.child``, from the wheel: the checkout is not on its path) and reported
     assert summary["world_size"] == 2 and summary["steps"] == 5 and [m["rank"] for m in summary["memory"]] == [0, 1]
     run_dir = summary_file.parent
 

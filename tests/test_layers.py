@@ -1,7 +1,8 @@
 """The package's layers (docs/architecture.md, "Layers"), read from its own imports so they cannot slip:
 every import of every module -- those inside functions too, relative ones resolved -- is an edge; the
 edges form no cycle; ``parallel/`` imports no Lightning, Hydra or OmegaConf and no lightning_par module
-above it; and every module imports only from its own layer or the layers before it. Each module of the
+above it; inside parallel/ only discovery.py imports parallel/hf/; and every module imports only from its own
+layer or the layers before it (one layer per folder). Each module of the
 package must be placed in ``LAYERS`` (a new module fails here until it is)."""
 
 from __future__ import annotations
@@ -14,32 +15,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_par"
 
-# lowest first; a module belongs to the first entry whose prefix it starts with (longest prefix wins)
+# One rule per folder, lowest first: a module's layer is its folder's (the package itself, ``lightning_par``,
+# holds only ConfigError and the config resolver). A module imports only from its own layer or those below.
 LAYERS: dict[str, int] = {
-    # base: leaf helpers with no lightning_par import beyond each other (ConfigError, the dtype table, the
-    # device peak table, optimizer building, Lightning's logging cadence, job bookkeeping: error.json, run dirs,
-    # the watcher that writes it for a killed main process)
-    "lightning_par": 0, "lightning_par.dtypes": 0, "lightning_par.devices": 0, "lightning_par.optim": 0,
-    "lightning_par.logging_steps": 0, "lightning_par.jobs": 0, "lightning_par.exit_watch": 0, "lightning_par.units": 0,
-    "lightning_par.conf": 0,  # conf: the yaml, no code
-    "lightning_par.token_format": 0,  # the token file's layout (numpy): prepare's workers import no Lightning
-    "lightning_par.parallel": 1,  # techniques: plain torch
-    "lightning_par.strategies": 2,  # Lightning strategies, the catalogue
-    "lightning_par.models": 3,
+    "lightning_par": 0,
+    "lightning_par.core": 0,  # base: dtypes, devices, optimizers, job bookkeeping, the token file's layout
+    "lightning_par.conf": 0,  # the yaml, no code
+    "lightning_par.parallel": 1,  # techniques: plain torch (sharding/ tensor/ pipeline/ memory/ init/ hf/)
+    "lightning_par.strategies": 2,  # Lightning strategies, the catalogue, checkpoint/ (DCP, export)
+    "lightning_par.models": 3,  # demo models and hf/ (HFCausalLM, from_pretrained, the registry)
     "lightning_par.data": 4,
     "lightning_par.callbacks": 5,  # measurement
-    "lightning_par.export": 5,  # checkpoints as transformers directories: the command, and the end-of-fit callback's core
-    "lightning_par.costs": 6, "lightning_par.estimate": 6, "lightning_par.advisor": 6,  # cost models
-    # entry: where config meets code (reads config nodes; validates before launch)
-    "lightning_par.facts": 7, "lightning_par.train": 7, "lightning_par.loggers": 7, "lightning_par.child": 7,
-    "lightning_par.memory_check": 7, "lightning_par.config_values": 7, "lightning_par.tiling_option": 7,
-    # the app around it: modes beside training, the command line, reports, the collectives benchmark
-    "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.report": 8,
-    "lightning_par.collectives": 8, "lightning_par.prepare": 8, "lightning_par.tools": 8,
+    "lightning_par.costs": 6,  # cost models, the estimate, the advisor
+    "lightning_par.run": 7,  # where config meets code: train, facts, config checks, child ranks
+    # the app around it: modes beside training, the command line, tools (report, prepare, collectives)
+    "lightning_par.modes": 8, "lightning_par.cli": 8, "lightning_par.__main__": 8, "lightning_par.tools": 8,
 }
 NAMES = {0: "base", 1: "parallel", 2: "strategies", 3: "models", 4: "data", 5: "callbacks", 6: "costs",
-         7: "entry", 8: "app"}
+         7: "run", 8: "app"}
 PLAIN_TORCH = ("lightning", "hydra", "omegaconf", "pytorch_lightning")
+#: inside parallel/, only the plan's discovery reaches the Hugging Face specifics; the generic techniques get
+#: them from the resolved plan (``ParallelPlan.stage_runner``, ``install_experts``)
+HF = "lightning_par.parallel.hf"
+HF_GATE = "lightning_par.parallel.discovery"
 
 
 def layer_of(module: str) -> int | None:
@@ -104,6 +102,9 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
             theirs = layer_of(t)
             if theirs is not None and theirs > mine:
                 out.append(f"{mod} ({NAMES[mine]}) imports {t} ({NAMES[theirs]}): a layer above it")
+            if ((t == HF or t.startswith(HF + ".")) and mine == LAYERS["lightning_par.parallel"]
+                    and mod != HF_GATE and not (mod == HF or mod.startswith(HF + "."))):
+                out.append(f"{mod} imports {t}: inside parallel/ only discovery reaches parallel/hf")
     return out
 
 
@@ -160,8 +161,11 @@ def test_the_checks_fail_on_a_violation() -> None:
     found = violations(edges)
     assert "lightning_par.parallel.bad (parallel) imports lightning_par.strategies.base (strategies): a layer above it" \
         in found and "lightning_par.parallel.bad imports lightning: parallel/ is plain torch" in found
-    edges["lightning_par.dtypes"] = edges["lightning_par.dtypes"] | {"lightning_par.train"}
-    assert any("lightning_par.dtypes" in c and "lightning_par.train" in c for c in cycles(edges))
+    edges["lightning_par.core.dtypes"] = edges["lightning_par.core.dtypes"] | {"lightning_par.run.train"}
+    assert any("lightning_par.core.dtypes" in c and "lightning_par.run.train" in c for c in cycles(edges))
+    edges["lightning_par.parallel.pipeline.schedule"] |= {"lightning_par.parallel.hf.stages"}
+    assert ("lightning_par.parallel.pipeline.schedule imports lightning_par.parallel.hf.stages: inside parallel/ only "
+            "discovery reaches parallel/hf") in violations(edges)
     edges["lightning_par.newthing"] = set()
     assert "lightning_par.newthing: in no layer (place it in tests/test_layers.py LAYERS)" in violations(edges)
 
@@ -174,8 +178,8 @@ def test_relative_imports_resolve(relative: str, expected: str) -> None:
 
 # The cost models read a strategy through one typed seam, ``strategy.cost_options()`` (parallel/layout.py):
 # no getattr/hasattr probe of a strategy, and no module outside strategies/ reads a strategy's private
-# attribute (``estimate.py`` read ``_n_microbatches``; there were 27 probes in the two files).
-COST_READERS = ("lightning_par/estimate.py", "lightning_par/costs/run_prediction.py", "lightning_par/modes/estimate.py")
+# attribute (``costs/estimate.py`` read ``_n_microbatches``; there were 27 probes in the two files).
+COST_READERS = ("lightning_par/costs/estimate.py", "lightning_par/costs/run_prediction.py", "lightning_par/modes/estimate.py")
 
 
 def _strategy_probes(path: Path) -> list[str]:

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from omegaconf import OmegaConf
 
 from lightning_par import ConfigError
-from lightning_par.loggers import WandbLogger, build_loggers, run_config
+from lightning_par.run.loggers import WandbLogger, build_loggers, run_config
 from tests.helpers import QUICK, composed, run_cli
 
 ALL = "logger=[csv,tensorboard,wandb,mlflow]"
@@ -133,4 +133,4 @@ def test_wandb_writes_an_offline_run_with_the_config(all_four):
             exit_code = record.exit.exit_code
     _assert_run_config(config)
     assert "train/loss" in history_keys
-    assert exit_code == 0  # the run was finished with the job (lightning_par.loggers.WandbLogger)
+    assert exit_code == 0  # the run was finished with the job (lightning_par.run.loggers.WandbLogger)

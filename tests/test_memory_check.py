@@ -1,4 +1,4 @@
-"""The memory check before launch (``lightning_par/memory_check.py``): a run the estimator predicts cannot fit
+"""The memory check before launch (``lightning_par/run/memory_check.py``): a run the estimator predicts cannot fit
 stops in one line, before any process starts, with the predicted and available figures and the
 advisor's plan for the machine; ``check_memory=false`` runs it anyway; a run that fits is not
 stopped; a rank the kernel kills is reported as such (``describe_exit``)."""
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from lightning_par import ConfigError
-from lightning_par.memory_check import available_per_rank, check_memory, predicted_peak, prediction
+from lightning_par.run.memory_check import available_per_rank, check_memory, predicted_peak, prediction
 from lightning_par.strategies.launcher import describe_exit
 from tests.helpers import composed, run_cli
 
 
 def _built(tmp: Path, *overrides: str):
-    from lightning_par.train import build
+    from lightning_par.run.train import build
 
     cfg = composed(*overrides, tmp=tmp)
     parts = build(cfg)

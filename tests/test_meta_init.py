@@ -1,5 +1,5 @@
 """Meta-device initialisation sets every tensor: what no init function covers gets the value the
-constructor gave it (``parallel/init_trace.py``), and anything still unset is an error naming it.
+constructor gave it (``parallel/init/init_trace.py``), and anything still unset is an error naming it.
 
 Freshly allocated memory is made NaN (a sentinel) before materialisation, so a tensor that nothing
 fills shows up as NaN instead of as whatever the allocator happened to return (often zeros, which
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_par.parallel.discovery import init_fn_of, resolve_plan
-from lightning_par.parallel.init_trace import InitTrace
+from lightning_par.parallel.init.init_trace import InitTrace
 from lightning_par.parallel.parallelize import Techniques, parallelize
 
 

@@ -1,4 +1,4 @@
-"""The cost model on mixture-of-experts models (lightning_par/costs, estimate.py, advisor.py).
+"""The cost model on mixture-of-experts models (lightning_par/costs, costs/estimate.py, costs/advisor.py).
 
 Memory. One real training step (after a warm-up step that creates the optimizer state) of the MoE
 decoder (models/moe.py: routed experts, router, balance and z-losses, optional shared expert) is
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_par.costs.shape import Shape
-from lightning_par.estimate import estimate, model_shape
+from lightning_par.costs.estimate import estimate, model_shape
 from lightning_par.models.moe import PRESETS, MoEConfig, MoEGPT
 from tests.helpers import memtracker_step_peak
 

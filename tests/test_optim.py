@@ -1,4 +1,4 @@
-"""The optimizer factory (lightning_par/optim.py): multi-tensor flags, schedules, LR scaling, 8-bit AdamW.
+"""The optimizer factory (lightning_par/core/optim.py): multi-tensor flags, schedules, LR scaling, 8-bit AdamW.
 
 End-to-end: ``scheduler=warmup_cosine`` logs a warm-up then a decaying LR (one quick run); adamw8bit
 trains under single, ddp, zero1, zero2, zero3 and fsdp at 2 ranks (one Hydra multirun), and each
@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_par import ConfigError
 from lightning_par.costs.states import optimizer_state_bytes  # the estimator's count
-from lightning_par.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, lr_factor, scaled_lr
+from lightning_par.core.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, lr_factor, scaled_lr
 from tests.dist import run_distributed
 from tests.helpers import QUICK, run_cli
 
@@ -66,7 +66,7 @@ def _sharded_inner_flags(rank: int, world: int) -> dict:
     """zero1's and zero2's inner optimizers and an FSDP (DTensor) AdamW keep the factory's foreach flag."""
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_par.parallel.zero import Zero2Optimizer, make_zero1_optimizer
+    from lightning_par.parallel.sharding.zero import Zero2Optimizer, make_zero1_optimizer
 
     torch.manual_seed(0)
     out = {}
@@ -165,7 +165,7 @@ def test_scheduler_yaml_composes_and_builds(name):
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_par.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"scheduler={name}"])
-    from lightning_par.optim import schedule_config
+    from lightning_par.core.optim import schedule_config
 
     schedule = schedule_config(cfg.scheduler)
     assert schedule.name == name

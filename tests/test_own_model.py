@@ -120,9 +120,10 @@ SCRIPT = textwrap.dedent('''
         return {"losses": losses.values, "init": losses.init}
 
     STEPS = 12
-    out, devices, model_name, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
-    model_cls = {"eager": Eager, "deferred": Deferred}[model_name]
-    result = {name: run(name, devices, model_cls, batch=16 // devices) for name in names}
+    out, devices, cells = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")  # cells: MODEL:STRATEGY
+    models = {"eager": Eager, "deferred": Deferred}
+    result = {cell: run(cell.split(":")[1], devices, models[cell.split(":")[0]], batch=16 // devices)
+              for cell in cells}
     if int(__import__("os").environ.get("LOCAL_RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -131,15 +132,34 @@ SCRIPT = textwrap.dedent('''
 DATA_PARALLEL = ["lp_ddp", "lp_zero1", "lp_zero2", "lp_zero3", "lp_zero3_offload", "lp_fsdp"]
 
 
-def run_script(tmp_path: Path, devices: int, model: str, strategies: list[str], timeout: float = 420) -> dict:
+def run_script(tmp_path: Path, devices: int, cells: list[tuple[str, str]], timeout: float = 600) -> dict:
+    """One launch at ``devices`` ranks training every (model, strategy) cell in turn; results by cell."""
     script = tmp_path / "train_mine.py"
     script.write_text(SCRIPT)
-    out = tmp_path / f"losses_{model}_{devices}.json"
+    out = tmp_path / f"losses_{devices}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), model, ",".join(strategies)],
+    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), ",".join(f"{m}:{s}" for m, s in cells)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return {tuple(k.split(":")): v for k, v in json.loads(out.read_text()).items()}
+
+
+MODELS = ("eager", "deferred")
+
+
+@pytest.fixture(scope="module")
+def own_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Both models under every strategy, one launch per world size (1, 2, 4). The reference is one device:
+    Lightning shuffles a training set through its DistributedSampler under every multi-process strategy
+    (seed 0), so the reference reads the same order: a data-parallel strategy on one device. Eager weights
+    come from the module itself, so Lightning's own DDPStrategy is the reference; deferred weights come
+    from lightning_par's init. At 2 ranks a strategy that refuses the model (no pipeline plan) comes first:
+    the script catches it on every rank and goes on; the launcher once reaped Lightning's child ranks on
+    any error, so every later fit failed."""
+    tmp = tmp_path_factory.mktemp("own")
+    return {1: run_script(tmp, 1, [("eager", "ddp"), ("deferred", "lp_ddp")]),
+            2: run_script(tmp, 2, [(m, s) for m in MODELS for s in ["lp_pipeline", *DATA_PARALLEL]]),
+            4: run_script(tmp, 4, [(m, s) for m in MODELS for s in ("lp_hsdp", "lp_zero3")])}
 
 
 def assert_parity(got: list[float], ref: list[float], what: str) -> None:
@@ -148,25 +168,20 @@ def assert_parity(got: list[float], ref: list[float], what: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["eager", "deferred"])
-def test_own_lightning_module_every_data_parallel_strategy(tmp_path: Path, model: str) -> None:
-    # reference: one device. Lightning shuffles a training set through its DistributedSampler under
-    # every multi-process strategy (seed 0), so the reference reads the same order: a data-parallel
-    # strategy on one device. Eager weights come from the module itself, so Lightning's own
-    # DDPStrategy is the reference; deferred weights come from lightning_par's init.
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("model", MODELS)
+def test_own_lightning_module_every_data_parallel_strategy(own_runs: dict, model: str) -> None:
     ref_name = "ddp" if model == "eager" else "lp_ddp"
-    ref_run = run_script(tmp_path, 1, model, [ref_name])[ref_name]
+    ref_run = own_runs[1][(model, ref_name)]
     ref = ref_run["losses"]
     assert ref[-1] < ref[0]  # it learns
-    # first a strategy that refuses the model (no pipeline plan): the script catches it on every rank and
-    # goes on; the launcher once reaped Lightning's child ranks on any error, so every later fit failed
-    two = run_script(tmp_path, 2, model, ["lp_pipeline", *DATA_PARALLEL])
-    assert "pipeline" in two["lp_pipeline"]["error"] and "\n" not in two["lp_pipeline"]["error"], two["lp_pipeline"]
-    four = run_script(tmp_path, 4, model, ["lp_hsdp", "lp_zero3"])
-    runs = [(f"{n} x2", two[n]) for n in DATA_PARALLEL] + [(f"{n} x4", four[n]) for n in ("lp_hsdp", "lp_zero3")]
+    two, four = own_runs[2], own_runs[4]
+    refused = two[(model, "lp_pipeline")]
+    assert "pipeline" in refused["error"] and "\n" not in refused["error"], refused
+    runs = [(f"{n} x2", two[(model, n)]) for n in DATA_PARALLEL] + \
+           [(f"{n} x4", four[(model, n)]) for n in ("lp_hsdp", "lp_zero3")]
     for what, got in [(f"{ref_name} x1", ref_run), *runs]:
-        # what only the constructor set (deferred: replayed from its record, parallel/init_trace.py)
+        # what only the constructor set (deferred: replayed from its record, parallel/init/init_trace.py)
         init = got["init"]
         assert init["finite"] and init["scale"] == [2.0] * 12 and init["gain"] == [0.5], (model, what, init)
         assert 0.005 < init["shift_std"] < 0.04, (model, what, init)

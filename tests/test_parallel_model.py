@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.callbacks.bubble import BubbleMeter
 from lightning_par.models.gpt import GPT, GPTConfig
-from lightning_par.parallel.pipeline import (
+from lightning_par.parallel.pipeline.schedule import (
     Pipeline,
     PipelineStageModule,
     balance_layers,
@@ -31,7 +31,7 @@ from lightning_par.parallel.pipeline import (
     theoretical_bubble,
     validate_pipeline,
 )
-from lightning_par.parallel.tensor_parallel import (
+from lightning_par.parallel.tensor.tensor_parallel import (
     apply_tensor_parallel,
     check_tp_divisible,
     loss_parallel_context,

@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_par.callbacks.memory import measure_model_states
 from lightning_par.models.gpt import GPT, GPTConfig
-from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
-from lightning_par.parallel.zero import Zero2Optimizer, make_zero1_optimizer
+from lightning_par.parallel.sharding.fsdp import apply_fsdp, resolve_units
+from lightning_par.parallel.sharding.zero import Zero2Optimizer, make_zero1_optimizer
 from lightning_par.strategies.zero import Zero2Strategy
 from tests.dist import run_distributed
 

@@ -1,4 +1,4 @@
-"""Pipeline stages of Hugging Face models run the model's own forward (``parallel/hf_pipeline.py``):
+"""Pipeline stages of Hugging Face models run the model's own forward (``parallel/hf/stages.py``):
 the masks (causal, sliding-window, Gemma's alternating sliding/full layers), position ids, rotary
 tables, embedding scaling, final norm and logit soft-capping the whole model computes. Eager and
 SDPA attention give the same losses; a model whose forward cannot be cut is refused before launch.
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_par.models.hf import HFCausalLM
-from lightning_par.parallel.hf_pipeline import check_hf_pipeline
-from lightning_par.parallel.pipeline import build_schedule, build_stage_modules
-from lightning_par.parallel.stages import drop_remote_layers, measure_layer_times
+from lightning_par.models.hf.causal_lm import HFCausalLM
+from lightning_par.parallel.hf.stages import check_hf_pipeline
+from lightning_par.parallel.pipeline.schedule import build_schedule, build_stage_modules
+from lightning_par.parallel.pipeline.stages import drop_remote_layers, measure_layer_times
+from lightning_par.parallel.hf.stages import hf_stage_runner
 from tests.dist import run_distributed
 from tests.helpers import assert_losses_match, run_cli, train_summary
 
@@ -53,7 +54,8 @@ def built(arch: str, attn: str, seed: int = 0) -> HFCausalLM:
 
 def _chain(m: HFCausalLM, bounds: list[int], x: torch.Tensor) -> torch.Tensor:
     layers = m.parallel_plan().layers
-    stages = build_stage_modules(m, layers=layers, boundaries=bounds, stage_indices=range(len(bounds) - 1))
+    stages = build_stage_modules(m, layers=layers, boundaries=bounds, stage_indices=range(len(bounds) - 1),
+                                 stage_runner=hf_stage_runner)
     for stage in stages:
         x = stage(x)
     return x
@@ -99,7 +101,7 @@ def test_remote_layers_keep_what_the_forward_reads():
 def test_time_balance_measures_hf_layers_through_the_model():
     m = built("gemma2", "eager")
     layers = m.parallel_plan().layers
-    times = measure_layer_times(m, layers, torch.randint(0, 256, (1, SEQ)), repeats=1)
+    times = measure_layer_times(m, layers, torch.randint(0, 256, (1, SEQ)), repeats=1, stage_runner=hf_stage_runner)
     assert len(times) == len(layers) and all(t > 0 for t in times)
 
 
@@ -157,7 +159,7 @@ def _train_pipeline(rank: int, arch: str, attn: str, schedule: str = "1f1b") -> 
     else:  # 4 stages, 2 per rank (loop placement): rank 0 runs stages 0 and 2 -- the first and a middle one
         bounds, indices = [0, 2, 4, 6, len(layers)], [rank, rank + 2]
     owner = {p: s for s in range(len(bounds) - 1) for p in layers[bounds[s]:bounds[s + 1]]}
-    stages = build_stage_modules(m, layers=layers, boundaries=bounds, stage_indices=indices)
+    stages = build_stage_modules(m, layers=layers, boundaries=bounds, stage_indices=indices, stage_runner=hf_stage_runner)
     drop_remote_layers(m, layers, {p for st in stages for p in st.layers}, owner)
     pipe = build_schedule(stages, schedule=schedule, n_microbatches=MICRO, loss_fn=HFCausalLM.loss_fn,
                           virtual_stages=len(indices), stage_indices=indices)
@@ -277,6 +279,6 @@ def test_uncuttable_model_is_refused_before_launch(tmp_path):
 
 def test_module_copy_does_not_copy_the_model():
     m = built("llama", "eager")
-    stage = build_stage_modules(m, layers=m.parallel_plan().layers, boundaries=[0, 3, 7], stage_indices=[1])[0]
+    stage = build_stage_modules(m, layers=m.parallel_plan().layers, boundaries=[0, 3, 7], stage_indices=[1], stage_runner=hf_stage_runner)[0]
     twin = copy.deepcopy(stage)
     assert twin.runner._root() is m  # the runner refers to the model weakly: a copy shares it

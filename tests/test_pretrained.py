@@ -12,7 +12,7 @@ holds every cell of a world size in the same processes.
 
 Trained weights out (issue 20, part 2), from the same runs: each cell saves its checkpoint after the
 two steps (``trainer.save_checkpoint``), and every one -- every strategy at its world size, 3d's
-8-rank checkpoint included -- is exported (``lightning_par.export``) and opened with transformers'
+8-rank checkpoint included -- is exported (``lightning_par.strategies.checkpoint.export``) and opened with transformers'
 ``from_pretrained``: its logits equal the checkpoint's own tensors read back with
 torch.distributed.checkpoint into the architecture (rtol 1e-5), and lp_single's exported model's
 to within 1e-4 of how far training moved them, and differ from the untrained model's. (Two AdamW steps
@@ -52,8 +52,8 @@ def runs(fam: str, strategy: str) -> bool:
     return strategy in MOE_CELLS if fam == "mixtral" else strategy != "lp_expert_parallel"
 
 VOCAB, SEQ, BATCH = 300, 16, 8
-# transformers declares neither plan for GPT-2: both are derived (parallel/hf_tp_derive.py: packed c_attn;
-# parallel/hf_pp_derive.py: read off its forward), so it runs under every strategy
+# transformers declares neither plan for GPT-2: both are derived (parallel/hf/tp_derive.py: packed c_attn;
+# parallel/hf/pp_derive.py: read off its forward), so it runs under every strategy
 REFUSED: set[tuple[str, str]] = set()
 
 MAKE = textwrap.dedent('''
@@ -229,7 +229,7 @@ def test_every_strategys_checkpoint_exports_to_the_trained_model(checkpoints: Pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lightning_par.export import export
+    from lightning_par.strategies.checkpoint.export import export
     from tests.test_export import _checkpoint_model, _logits
 
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
@@ -317,7 +317,7 @@ def test_the_run_dtype_wins_and_meta_outside_a_strategy_is_refused(checkpoints: 
 
     import lightning_par.models
     from lightning_par import ConfigError
-    from lightning_par.models.pretrained import build_pretrained, pretrained_config
+    from lightning_par.models.hf.pretrained import build_pretrained, pretrained_config
 
     AutoModelForCausalLM.from_pretrained(checkpoints / "qwen2").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     cfg = pretrained_config(tmp_path / "bf16")
@@ -355,8 +355,8 @@ def test_a_checkpoint_tensor_is_read_in_blocks_of_rows(tmp_path: Path, monkeypat
     import torch
     from safetensors.torch import save_file
 
-    from lightning_par.parallel import materialize
-    from lightning_par.parallel.pretrained import SafetensorsWeights, WeightRef
+    from lightning_par.parallel.init import materialize
+    from lightning_par.parallel.init.weights import SafetensorsWeights, WeightRef
 
     full = torch.arange(11 * 6, dtype=torch.float32).reshape(11, 6)
     save_file({"w": full}, str(tmp_path / "model.safetensors"))

@@ -137,7 +137,7 @@ def test_a_fine_tune_on_token_files_resumes_mid_epoch_exactly(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-c", ASSETS, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "lightning_par.prepare", "corpus.jsonl", "--tokenizer", "llama",
+    done = subprocess.run([sys.executable, "-m", "lightning_par.tools.prepare", "corpus.jsonl", "--tokenizer", "llama",
                            "--out", "corpus.bin", "--workers", "1"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""lightning_par/report.py (``lightning-par-report``) on hand-made summaries (every contract key, pipelines
+"""lightning_par/tools/report.py (``lightning-par-report``) on hand-made summaries (every contract key, pipelines
 with a bubble, offload, nulls, failed jobs) and on real sweeps; and robust jobs: every failure leaves
 error.json, the other jobs of a sweep still run (a BaseException such as torch's CheckpointException
 included), the sweep exits nonzero, a single run exits 2 on a ConfigError, and torchrun does not restart
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import lightning_par.report as report
+import lightning_par.tools.report as report
 from lightning_par.callbacks import CONTRACT_KEYS
 from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
 
@@ -46,7 +46,7 @@ def _write(job_dir: Path, name: str, data) -> None:
 
 
 def _run_report(sweep: Path, out: Path | None = None, timeout: float = 120,
-                entry: tuple[str, ...] = ("-m", "lightning_par.report")) -> subprocess.CompletedProcess:
+                entry: tuple[str, ...] = ("-m", "lightning_par.tools.report")) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *entry, str(sweep)] + (["--out", str(out)] if out else [])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 

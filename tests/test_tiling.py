@@ -1,4 +1,4 @@
-"""Memory-centric tiling (lightning_par/parallel/tiling.py).
+"""Memory-centric tiling (lightning_par/parallel/memory/tiling.py).
 
 - ``TiledLinear`` is the same function as the layer it replaces (fp32, atol 1e-6), gradients included.
 - Loss parity: fsdp at 2 ranks with the LM head in 4 tiles vs the untiled single-device run, 12
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_par import ConfigError
-from lightning_par.parallel.tiling import TiledEmbedding, TiledLinear, apply_tiling, check_tiling
+from lightning_par.parallel.memory.tiling import TiledEmbedding, TiledLinear, apply_tiling, check_tiling
 from tests.dist import run_distributed
 from tests.helpers import QUICK, assert_losses_match, train_summary
 
@@ -43,7 +43,7 @@ def test_tiled_conv1d_is_the_same_function():
     and input gradient, and the tiles' weights are the untiled weight's column blocks."""
     from transformers.pytorch_utils import Conv1D
 
-    from lightning_par.parallel.tiling import TiledConv1D
+    from lightning_par.parallel.memory.tiling import TiledConv1D
 
     torch.manual_seed(0)
     conv = Conv1D(3 * 16, 16)
@@ -70,7 +70,7 @@ def test_bad_tiling_is_one_line():
         apply_tiling(model, {"1": 2})
     with pytest.raises(ConfigError, match="has no module 'head'"):
         apply_tiling(model, {"head": 2})
-    from lightning_par.tiling_option import set_tiling
+    from lightning_par.run.tiling_option import set_tiling
     from lightning_par.strategies import SingleDeviceStrategy
 
     with pytest.raises(ConfigError, match="4 tiles must be >= 2 and divide out_features=6"):
@@ -106,7 +106,7 @@ def test_tied_embedding_and_head_are_tiled_together(named):
     """Naming either tied layer (or both, with one count) tiles both in the same row blocks of the
     shared weight, kept tied (one Parameter per tile); the same function and the same gradient of the
     shared weight (the sum of both uses')."""
-    from lightning_par.parallel.tiling import TiedHead
+    from lightning_par.parallel.memory.tiling import TiedHead
 
     ref, model = _tied(), _tied()
     paths = apply_tiling(model, named)
@@ -132,7 +132,7 @@ def test_ties_tiling_cannot_keep_are_one_line():
         apply_tiling(_tied(), {"emb": 4, "head": 2})
     assert "\n" not in str(e.value)
     from lightning_par.strategies import SingleDeviceStrategy
-    from lightning_par.tiling_option import set_tiling
+    from lightning_par.run.tiling_option import set_tiling
 
     with pytest.raises(ConfigError, match="same tile count, not 4 and 2"):  # the app's check, before processes start
         set_tiling(SingleDeviceStrategy(), {"emb": 4, "head": 2}, _tied())
@@ -162,7 +162,7 @@ def test_ties_tiling_cannot_keep_are_one_line():
 
 def _tied_llama(vocab: int = 256):
     """A tiny Hugging Face Llama with tied input and output embeddings, built on the meta device."""
-    from lightning_par.models.hf import HFCausalLM
+    from lightning_par.models.hf.causal_lm import HFCausalLM
 
     model = HFCausalLM(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=vocab,
                        max_positions=64, tie_word_embeddings=True)
@@ -268,7 +268,7 @@ def _gathered(rank: int, world: int, tiles: int) -> dict:
     from lightning_par.models.gpt import GPT, GPTConfig
     from lightning_par.parallel.discovery import init_fn_of, resolve_plan
     from lightning_par.parallel.parallelize import FullyShard, Techniques, parallelize
-    from lightning_par.parallel.tiling import largest_units
+    from lightning_par.parallel.memory.tiling import largest_units
 
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=4096)  # a head larger than a block
     with torch.device("meta"):
@@ -298,7 +298,7 @@ def _tied_gathered(mesh, tiles: int) -> dict:
 
     from lightning_par.parallel.discovery import init_fn_of, resolve_plan
     from lightning_par.parallel.parallelize import FullyShard, Techniques, parallelize
-    from lightning_par.parallel.tiling import largest_units
+    from lightning_par.parallel.memory.tiling import largest_units
 
     model = _tied_llama(vocab=4096)  # a table 8x a block
     spec = Techniques(device=torch.device("cpu"), plan=resolve_plan(model), seed=0, init_fn=init_fn_of(model),

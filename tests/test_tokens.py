@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_par import ConfigError, prepare as prep
+from lightning_par import ConfigError
+from lightning_par.tools import prepare as prep
 from lightning_par.data import TokenFileDataModule
 from lightning_par.data.tokens import HEADER_BYTES, TokenFile, dtype_for, pack_header
 
@@ -233,7 +234,7 @@ def test_a_split_that_cannot_fill_a_global_batch_is_one_line_naming_it(tmp_path)
     """``check_splits`` (called by the app's checks before launch): the training split against one global
     batch, and the validation split only when the run validates (``train.validates``)."""
     from tests.helpers import composed
-    from lightning_par.train import validates
+    from lightning_par.run.train import validates
 
     write_tokens(tmp_path / "c.bin", np.arange(16 * 200 + 1, dtype=np.uint16) % 1000)  # 200 windows of 16
     dm = TokenFileDataModule(str(tmp_path / "c.bin"), seq_len=16, val_fraction=0.05, global_batch_size=16)
@@ -358,7 +359,7 @@ def test_killed_prepare_leaves_no_file_that_looks_complete(victim, tok_dir, tmp_
     # that a loaded machine -- workers done while the main process waited for a core -- cannot finish it first
     (tmp_path / "in" / "c.jsonl").write_text(line * (64_000_000 // len(line)))
     (tmp_path / "out").mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_par.prepare", str(tmp_path / "in" / "c.jsonl"),
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_par.tools.prepare", str(tmp_path / "in" / "c.jsonl"),
                              "--tokenizer", str(tok_dir), "--out", str(tmp_path / "out" / "o.bin"), "--workers", "2",
                              "--chunk-mb", "0.05"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group, as a shell's job

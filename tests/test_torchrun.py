@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from lightning_par.train import latest_checkpoint
-from tests.helpers import QUICK, ROOT, assert_losses_match, train_summary
+from lightning_par.run.train import latest_checkpoint
+from tests.helpers import QUICK, ROOT, assert_losses_match
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,17 @@ def torchrun(args: list[str], run_dir, restarts: int = 0, timeout: float = 300) 
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_killed_rank_is_restarted_and_resumes_with_same_losses(tmp_path):
-    ref = train_summary(QUICK + ["strategy=ddp", "trainer.devices=2"], tmp_path / "ref")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The README's command without faults: ddp at torchrun's 2 ranks, run once for both tests."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    proc = torchrun(QUICK + ["strategy=ddp"], run_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_killed_rank_is_restarted_and_resumes_with_same_losses(tmp_path, uninterrupted):
+    ref = uninterrupted
     run_dir = tmp_path / "elastic"
     run_dir.mkdir()
     (run_dir / "error.json").write_text('{"error": "a failed earlier attempt", "type": "RuntimeError"}')
@@ -47,8 +56,6 @@ def test_killed_rank_is_restarted_and_resumes_with_same_losses(tmp_path):
     assert not (run_dir / "error.json").exists()  # a failed attempt's record goes once the run has finished
 
 
-def test_torchrun_without_faults(tmp_path):
-    proc = torchrun(QUICK + ["strategy=ddp"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+def test_torchrun_without_faults(uninterrupted):
+    summary = uninterrupted
     assert summary["world_size"] == 2 and summary["steps"] == 12

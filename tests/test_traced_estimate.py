@@ -23,8 +23,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_par.costs.traced import _precision_context, trace_model
-from lightning_par.estimate import estimate_traced
-from lightning_par.models.hf import HFCausalLM
+from lightning_par.costs.estimate import estimate_traced
+from lightning_par.models.hf.causal_lm import HFCausalLM
 from tests.helpers import steady_step_peak
 
 pytestmark = pytest.mark.timeout(600)
@@ -210,7 +210,7 @@ def test_adamw8bit_stand_in_holds_torchao_states_to_the_byte():
     from torch.distributed._tools.mem_tracker import get_untyped_storages
 
     from lightning_par.costs.traced import AdamW8bitBytes
-    from lightning_par.optim import OptimizerConfig, build_optimizer
+    from lightning_par.core.optim import OptimizerConfig, build_optimizer
 
     def held(states: list[dict]) -> int:
         storages = {s for st in states for v in st.values() if isinstance(v, torch.Tensor)
@@ -269,13 +269,13 @@ def test_mode_estimate_adamw8bit_on_a_hugging_face_model(tmp_path):
 
 @pytest.mark.parametrize(("model", "method"), [("hf_causal_lm", "trace"), ("hf_causal_lm", "auto"), ("gpt_tiny", "auto")])
 def test_every_optimizer_runs_through_the_estimate(tmp_path, model, method):
-    """Each optimizer option (``lightning_par.optim.OPTIMIZERS``) runs through ``mode=estimate``
+    """Each optimizer option (``lightning_par.core.optim.OPTIMIZERS``) runs through ``mode=estimate``
     on 2 ranks, the Hugging Face model traced or priced by its shape (the default, as the advisor
     prices it), the GPT by its shape; the states row is ``costs/states.py``'s (the trace's exactly,
     with Adam's 4-byte ``step`` per tensor, SGD having none), ZeRO-1 halves it: 8-bit AdamW's states
     below SGD's momentum, Adam's and AdamW's equal."""
     from lightning_par.costs.states import optimizer_state_bytes
-    from lightning_par.optim import OPTIMIZERS
+    from lightning_par.core.optim import OPTIMIZERS
 
     hf_model = model.startswith("hf_")
     numels = _hf_numels(tmp_path, f"model={model}") if hf_model else None

@@ -11,7 +11,7 @@ from lightning_par import ConfigError
 from lightning_par.data import TextDataModule
 from lightning_par.models import GPTModule
 from lightning_par.strategies import DDPStrategy
-from lightning_par.train import validate
+from lightning_par.run.train import validate
 from tests.helpers import run_cli
 
 
@@ -88,7 +88,7 @@ def test_a_token_file_vocabulary_larger_than_a_pretrained_model_is_one_line(tmp_
     import numpy as np
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_par.token_format import pack_header
+    from lightning_par.core.token_format import pack_header
 
     tokens = np.arange(4000, dtype=np.uint16) % 1000
     corpus = tmp_path / "corpus.bin"

@@ -16,7 +16,7 @@ sum(step wall)``: the fraction of the time it spent idle, including waiting for 
 gradients to arrive (communication a schedule does not overlap is part of what a bubble costs);
 the run's ``measured`` bubble is the mean over the ranks of one pipeline (one replica of the
 tp / dp axes), ``bubble_summary``. The theory is ``(p-1)/(m+p-1)`` for GPipe and 1F1B
-(see ``parallel/pipeline.py`` for the others) -- it assumes equal stage times and free
+(see ``parallel/pipeline/schedule.py`` for the others) -- it assumes equal stage times and free
 communication, so a cut that is unbalanced in compute shows up as measured > theory.
 
 Summary key ``bubble``: ``measured``, ``theory``, ``per_stage`` (one entry per pipeline rank:
@@ -49,7 +49,7 @@ from torch import nn
 
 from lightning_par.callbacks.bubble_render import draw_timeline, write_trace
 from lightning_par.callbacks.memory import all_gather_objects
-from lightning_par.parallel.pipeline import StageTimer, bubble_stats, theoretical_bubble
+from lightning_par.parallel.pipeline.schedule import StageTimer, bubble_stats, theoretical_bubble
 
 TIMELINE_FILE = "pipeline_timeline.png"
 TRACE_FILE = "pipeline_trace.json"

@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_par.export import save_pretrained, size_bytes
+from lightning_par.strategies.checkpoint.export import save_pretrained, size_bytes
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ all-to-all bytes as a Python int, which the dispatcher knows on the host anyway)
 batch, or a pipeline's micro-batches; never an eval or ``no_grad`` forward, nor an activation
 checkpoint's recompute (``models.moe.is_training_forward``). The MoE layers (``moe_layers``, named
 by their module paths in the LightningModule) are our own ``MoE`` layers and the experts modules of a
-Hugging Face MoE model (Mixtral, Qwen2/3-MoE, ...: ``hf_plan.hf_experts``), to which this callback
+Hugging Face MoE model (Mixtral, Qwen2/3-MoE, ...: ``hf.plan.hf_experts``), to which this callback
 attaches ``HFExpertCounts`` for the run. After each training batch this callback adds them to a
 device buffer of the current optimizer step and clears them -- no host read, no collective. Every
 ``flush_every_n_steps`` steps the finished steps are moved to the host (one read per interval),
@@ -37,14 +37,14 @@ from torch import nn
 from lightning_par.callbacks.memory import all_gather_objects
 from lightning_par.models.moe import MoE, is_training_forward
 from lightning_par.parallel.contract import STATS_ATTR, ForwardStatsSource
-from lightning_par.parallel.hf_plan import declares_experts, find_hf_model, hf_experts
+from lightning_par.parallel.hf.plan import declares_experts, find_hf_model, hf_experts
 
 
 class HFExpertCounts:
     """``MoE``'s figures (a ``ForwardStatsSource``) for a Hugging Face experts module, which is called as
     ``experts(hidden_states, top_k_index, top_k_weights)``: a forward hook sums each training forward's
     assignments per expert (device tensors, no host read) and the all-to-all bytes that the
-    expert-parallel forward leaves in ``last_a2a_bytes`` (``parallel/hf_experts.py``; 0 without).
+    expert-parallel forward leaves in ``last_a2a_bytes`` (``parallel/hf/experts.py``; 0 without).
     These models are dropless: nothing is dropped. Attached as the module's ``STATS_ATTR`` (where a
     pipeline finds it) until ``detach``."""
 

@@ -4,7 +4,7 @@ Step time is the wall time between consecutive optimizer-step ends (so it includ
 forward, backward, communication and the optimizer). FLOPs per optimizer step come from torch's
 FLOP counter (through Lightning's ``measure_flops``) run once on a meta-device copy of the model's
 architecture -- forward and backward for the whole global batch, no real compute; a Hugging Face MoE
-copy counts the routed work, each token through its top-k experts (``parallel/hf_flops.py``). A model
+copy counts the routed work, each token through its top-k experts (``parallel/hf/flops.py``). A model
 that cannot be counted so (an op the meta device cannot run) is not an error: its MFU is null and the
 summary's ``mfu_note`` says why in one line.
 
@@ -22,7 +22,7 @@ formula) is left uncounted with a note rather than under-counted.
 
 MFU divides the achieved model FLOP/s by the dense device peak for the dtype the matmuls run in
 (``matmul_dtype``: FSDP's ``param_dtype`` when the strategy sets one, else the trainer's precision;
-peaks from ``lightning_par/devices.py``, or ``peak_tflops`` to override) times the number of ranks;
+peaks from ``lightning_par/core/devices.py``, or ``peak_tflops`` to override) times the number of ranks;
 where the peak is unknown (CPU), MFU is null.
 
 No host synchronisation per step: on CUDA the device is synchronised only every
@@ -52,15 +52,15 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import measure_flops
 
-from lightning_par import dtypes
-from lightning_par.devices import peak_flops_per_device
-from lightning_par.logging_steps import logs_this_step
+from lightning_par.core import dtypes
+from lightning_par.core.devices import peak_flops_per_device
+from lightning_par.core.logging_steps import logs_this_step
 
 log = logging.getLogger(__name__)
 
 
 def precision_dtype(precision: str | int) -> torch.dtype:
-    """The dtype matmuls run in under a Lightning precision (``lightning_par/dtypes.py``); fp32 for
+    """The dtype matmuls run in under a Lightning precision (``lightning_par/core/dtypes.py``); fp32 for
     one the table lacks (e.g. bitsandbytes' ``nf4``)."""
     try:
         return dtypes.precision(precision).compute
@@ -70,7 +70,7 @@ def precision_dtype(precision: str | int) -> torch.dtype:
 
 def matmul_dtype(trainer: L.Trainer) -> torch.dtype:
     """The dtype the model's matmuls run in: FSDP mixed precision's ``param_dtype`` if the strategy
-    has one (any spelling of ``lightning_par/dtypes.py``: bf16, bfloat16, torch.bfloat16 ...), else
+    has one (any spelling of ``lightning_par/core/dtypes.py``: bf16, bfloat16, torch.bfloat16 ...), else
     what the trainer's precision computes in (bf16-mixed: bf16, 32-true: fp32)."""
     param_dtype = getattr(trainer.strategy, "param_dtype", None)
     if param_dtype:
@@ -95,7 +95,7 @@ def count_model_flops(pl_module: L.LightningModule, batch_size: int) -> tuple[in
     """Training FLOPs (forward + backward) of one batch, counted on a meta copy: ``(flops, None)``, or
     ``(None, why not)`` in one line. Never raises: a model the meta device cannot run only loses its MFU.
 
-    A Hugging Face MoE copy runs its experts with ``batched_mm`` first (``parallel/hf_flops.py``), so
+    A Hugging Face MoE copy runs its experts with ``batched_mm`` first (``parallel/hf/flops.py``), so
     the count is the routed work (each token through its top-k experts); one whose experts cannot be
     counted so is refused rather than counted as all experts on every token."""
     flops, note, _ = _meta_count(pl_module, batch_size)
@@ -106,7 +106,7 @@ def _meta_count(pl_module: L.LightningModule, batch_size: int) -> tuple[int | No
     """``count_model_flops``, and whether the model has no meta copy at all (no ``build_net`` /
     ``example_input``, or ``ParModule``'s defaults, which raise ``NotImplementedError``): such a model is
     measured on a real step instead (``FlopsOfAStep``)."""
-    from lightning_par.parallel.hf_flops import FlopsUnknown, route_experts_for_counting
+    from lightning_par.parallel.hf.flops import FlopsUnknown, route_experts_for_counting
 
     build = getattr(pl_module, "build_net", None)
     example = getattr(pl_module, "example_input", None)
@@ -253,7 +253,7 @@ def counted_step(trainer: L.Trainer, start: int) -> int:
 def holds_routed_experts(pl_module: L.LightningModule) -> str | None:
     """A one-line reason when the model runs tokens through transformers' experts implementations (grouped
     matmuls, which torch's FLOP counter has no formula for: a measured step would under-count them)."""
-    from lightning_par.parallel.hf_flops import dispatches_experts
+    from lightning_par.parallel.hf.flops import dispatches_experts
 
     for path, module in pl_module.named_modules():
         if dispatches_experts(module):

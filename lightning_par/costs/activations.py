@@ -32,7 +32,7 @@ logsumexp are split over ``tp``; the LayerNorm inputs are split only with sequen
 (torch's DTensor linears save the all-gathered input, so the LayerNorm outputs stay whole); the
 logits are split only with ``loss_parallel``.
 
-Hugging Face decoders (``models/hf.py``: Llama, Qwen2 and GPT-2 as ``hf_config`` builds them; a
+Hugging Face decoders (``models/hf/causal_lm.py``: Llama, Qwen2 and GPT-2 as ``hf_config`` builds them; a
 ``Shape`` with ``hf_arch``) save what their own modules save, counted the same way
 (``hf_layer_bytes_per_token``): RMSNorm's fp32 statistics, one autocast copy of a norm's output per
 linear that reads it, grouped-query k/v at their own width, a gated MLP's four inner tensors.
@@ -46,8 +46,8 @@ parameter counts and the model's paths are ``costs/counting.py``'s.
 
 from __future__ import annotations
 
-from lightning_par import dtypes as _dtypes
-# the shape these formulas read (``costs/shape.py``; re-exported: memory_check.py, tests/fsdp_peak_probe.py
+from lightning_par.core import dtypes as _dtypes
+# the shape these formulas read (``costs/shape.py``; re-exported: run/memory_check.py, tests/fsdp_peak_probe.py
 # and benchmarks/bench_step_time.py import it from here) and the activations they know
 from lightning_par.costs.shape import ACT_SAVED, HF_ARCHS, Shape  # noqa: F401 -- HF_ARCHS re-exported
 from lightning_par.costs.states import PRECISIONS, check
@@ -55,7 +55,7 @@ from lightning_par.costs.states import PRECISIONS, check
 
 def dtypes(precision: str) -> tuple[int, int, bool]:
     """(compute dtype bytes, residual / parameter dtype bytes, autocast weight copies) of one of the
-    estimator's precisions (``costs/states.py``; dtypes from ``lightning_par/dtypes.py``)."""
+    estimator's precisions (``costs/states.py``; dtypes from ``lightning_par/core/dtypes.py``)."""
     check(precision, PRECISIONS, "precision")
     pr = _dtypes.precision(precision)
     return _dtypes.dtype_bytes(pr.compute), _dtypes.dtype_bytes(pr.param), pr.autocast
@@ -118,7 +118,7 @@ def norm_bytes_per_token(shape: Shape, precision: str) -> float:
 
 def hf_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda", tp: int = 1,
                              sequence_parallel: bool = False, selective: bool = False) -> float:
-    """``layer_bytes_per_token`` of a Hugging Face decoder layer (``HF_ARCHS`` as ``models/hf.py``
+    """``layer_bytes_per_token`` of a Hugging Face decoder layer (``HF_ARCHS`` as ``models/hf/causal_lm.py``
     builds them: no dropout), from what its modules save (counted with ``saved_tensors_hooks``, to the
     byte, tests/test_activation_memory.py), per token (h hidden, a heads, kv = kv_heads x head_dim,
     F = mlp_hidden)::

@@ -124,7 +124,7 @@ def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward:
     wk, wv, fc, lm_head): 4L + 1 (``CommShape.colwise`` per layer: 5 with a gated MLP's gate and up,
     2 with GPT-2's fused c_attn); the logits are all-gathered over the vocabulary (B*T*V).
 
-    With it (``parallel/tensor_parallel.py``): the all-reduces become reduce-scatters onto the sequence
+    With it (``parallel/tensor/tensor_parallel.py``): the all-reduces become reduce-scatters onto the sequence
     shard (the embedding's and every rowwise output's, 2L + 1, forward) and all-gathers of it (the
     input of every attention and MLP, once per colwise group, and of the head: 2L + 1, forward), each
     mirrored in backward -- (4L + 2) full activations of each kind; the position table's gradient is
@@ -385,7 +385,7 @@ def _pipeline_dp(s: _Step, tp: int | None) -> None:
     s.fsdp(mine, 0, "dp_shard", False)
     _add(s.out, "all_reduce", "dp_replicate", mine * s.b * (s.rep > 1))
     tied = s.shape.shape.units().get("tied", 0) if s.shape is not None else 0  # a Hugging Face tied head
-    if tied and s.pp > 1:  # the first and last stages sum their copies' gradients (parallel/pipeline_ties.py)
+    if tied and s.pp > 1:  # the first and last stages sum their copies' gradients (parallel/pipeline/stage_ties.py)
         _add(s.out, "all_reduce", "pp", tied // (tp or 1) // max(1, s.shard) * s.b)
 
 

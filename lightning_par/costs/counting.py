@@ -1,6 +1,6 @@
 """Parameter counting and layout of the model a ``Shape`` describes, read from the model itself built
 on the meta device (no memory): our GPT / MoE (``models/gpt.py``, ``models/moe.py``) or a Hugging Face
-decoder (``models/hf.py``'s transformers model with one layer: every layer has the same parameters).
+decoder (``models/hf/causal_lm.py``'s transformers model with one layer: every layer has the same parameters).
 
 - ``units``: parameters of the model's parts (embedding, one block, head, each linear, MoE experts, a
   tied head, what tensor parallelism splits, tensor counts) -- the one parameter count of the cost
@@ -8,7 +8,7 @@ decoder (``models/hf.py``'s transformers model with one layer: every layer has t
 - ``tp_params`` / ``root_params`` / ``param_tensors``: the groups the comm model prices (a
   tensor-parallel rank's parameters, FSDP's root, the parameter tensors);
 - ``module_paths`` / ``block_linears`` / ``tiled_part``: the paths ``strategy.tiling`` names and the
-  matmuls a tile count must divide; ``hf_model`` / ``hf_plan``: a Hugging Face shape's meta model
+  matmuls a tile count must divide; ``hf_model`` / ``hf.plan``: a Hugging Face shape's meta model
   and the parallel plan it declares.
 
 Every function takes a ``costs.shape.Shape`` (which imports this module: the type is not imported here).
@@ -66,7 +66,7 @@ def module_paths(shape: ShapeT) -> dict[str, str]:
 
 def block_linears(shape: ShapeT) -> dict[str, int]:
     """A block's matmul layers (path inside the block) and their output features -- what a tile count
-    must divide (``parallel/tiling.py``: nn.Linear rows, transformers' Conv1D columns)."""
+    must divide (``parallel/memory/tiling.py``: nn.Linear rows, transformers' Conv1D columns)."""
     return dict(_hf_layout(shape)[1]) if shape.hf else dict(_gpt_linears(shape))
 
 
@@ -86,7 +86,7 @@ def tiled_part(shape: ShapeT, path: str) -> str | None:
 
 def _matmuls(module: Any) -> dict[str, Any]:
     """The ``nn.Linear`` and transformers ``Conv1D`` (GPT-2's: ``x @ W + b`` with ``W`` (in, out),
-    recognised by name as ``parallel/tiling.py`` does) layers of ``module`` by path."""
+    recognised by name as ``parallel/memory/tiling.py`` does) layers of ``module`` by path."""
     from torch import nn
 
     return {name: m for name, m in module.named_modules()
@@ -110,7 +110,7 @@ def hf_model(shape: ShapeT) -> Any:
     the same parameters, so one is all the counts need."""
     import torch
 
-    from lightning_par.models.hf import _transformers
+    from lightning_par.models.hf.causal_lm import _transformers
 
     config = shape.hf_config(layers=1)
     with torch.device("meta"):
@@ -119,17 +119,17 @@ def hf_model(shape: ShapeT) -> Any:
 
 @lru_cache(maxsize=16)
 def hf_plan(shape: ShapeT) -> Any:
-    """The ``ParallelPlan`` the Hugging Face model of ``shape`` declares (``parallel/hf_plan.py``:
+    """The ``ParallelPlan`` the Hugging Face model of ``shape`` declares (``parallel/hf/plan.py``:
     its tensor-parallel plan and the sizes tp must divide, its pipeline cut points, refusals) -- what
     the strategies will use, so what the advisor may propose. Its paths are the one-layer model's."""
-    from lightning_par.parallel.hf_plan import hf_parallel_plan
+    from lightning_par.parallel.hf.plan import hf_parallel_plan
 
     return hf_parallel_plan(hf_model(shape))
 
 
 @lru_cache(maxsize=16)
 def _hf_layout(shape: ShapeT) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, int], ...]]:
-    from lightning_par.parallel.hf_plan import hf_blocks
+    from lightning_par.parallel.hf.plan import hf_blocks
 
     net = hf_model(shape)
     (block,) = hf_blocks(net)  # "model.layers.0"
@@ -146,7 +146,7 @@ def _hf_unit_params(shape: ShapeT) -> tuple[tuple[str, int], ...]:
     """``units`` of a Hugging Face shape, from the transformers model with one layer: ``embed`` is
     what its pipeline plan places before the decoder layers (token table, GPT-2's position table),
     ``head`` what it places after them (final norm, output head), each counted whole."""
-    from lightning_par.parallel.hf_plan import _matches, hf_blocks, hf_layers  # _matches: the plans' "*" rule
+    from lightning_par.parallel.hf.plan import _matches, hf_blocks, hf_layers  # _matches: the plans' "*" rule
 
     net = hf_model(shape)
     (block_path,) = hf_blocks(net)

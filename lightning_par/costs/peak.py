@@ -77,7 +77,7 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     block = dense_part + expert_part  # the average layer
     embed = u["embed"] / tp if has_embed else 0
     # a head tied to the embedding (Hugging Face's tie_word_embeddings) shares its table where both are
-    # on this rank; a pipeline's first and last stages each hold a copy (parallel/pipeline_ties.py)
+    # on this rank; a pipeline's first and last stages each hold a copy (parallel/pipeline/stage_ties.py)
     head = (u["head"] - (u.get("tied", 0) if has_embed else 0)) / tp if has_head else 0
     local = embed + layers * block + head
     shard = lay.shard if lay.params_sharded or lay.opt_sharded or lay.grads in ("zero2", "fsdp") else 1
@@ -92,7 +92,7 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     host = 0
     host_temp = 0.0
     if lay.cpu_offload:
-        # the step runs on the host over the offloaded states: torch's foreach Adam (optim.py) adds one
+        # the step runs on the host over the offloaded states: torch's foreach Adam (core/optim.py) adds one
         # state-sized temporary there, as on a device
         host_temp = opt / 2 if optimizer in ("adamw", "adam") else 0.0
         host, params, opt, grads_steady = int(params + opt + grads_steady), 0, 0, 0
@@ -201,7 +201,7 @@ def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: flo
                head: float, shape: Shape | None = None) -> tuple[float, float]:
     """(root unit, largest other unit) in parameters on one rank: the root holds what no unit claims
     (embedding, final norm, head); blocks are units; each tile of a tiled layer is a unit of its own
-    (``parallel/tiling.py``: ``net.head.lm_head``, ``net.embed.tok`` or ``net.blocks.<i>.<path>``,
+    (``parallel/memory/tiling.py``: ``net.head.lm_head``, ``net.embed.tok`` or ``net.blocks.<i>.<path>``,
     a Hugging Face model's own paths by ``shape``: ``costs/counting.tiled_part``; every block is
     assumed tiled alike)."""
     tp = lay.tp
@@ -210,7 +210,7 @@ def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: flo
     for path, k in lay.tiling.items():
         part = tiled_part(shape, path) if shape is not None else tiled_part(_GPT, path)
         if part in ("head", "embed") and shared:
-            # a tied table is tiled once, for both its uses, whichever is named (parallel/tiling.py): the
+            # a tied table is tiled once, for both its uses, whichever is named (parallel/memory/tiling.py): the
             # root held it once (or, on one pipeline stage, its copy)
             if not shared_done and (has_embed or has_head):
                 root -= shared / tp
@@ -258,7 +258,7 @@ ZERO2_BUCKETS_ALIVE = 3
 
 
 def zero2_staged(lay: Layout, g: float, local: float, largest: float) -> float:
-    """Bytes of ZeRO-2's staged gradient buckets during backward (``parallel/zero.py``): up to
+    """Bytes of ZeRO-2's staged gradient buckets during backward (``parallel/sharding/zero.py``): up to
     ``ZERO2_BUCKETS_ALIVE`` buckets of ``lay.bucket_bytes`` (a parameter larger than that, e.g. the
     embedding, is a bucket of its own: ``largest`` parameters), never more than the local gradients."""
     return min(g * local, ZERO2_BUCKETS_ALIVE * max(lay.bucket_bytes, g * largest))

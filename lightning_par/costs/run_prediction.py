@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_par import dtypes
+from lightning_par.core import dtypes
 from lightning_par.costs.comm import CommShape, step_comm_bytes
 from lightning_par.costs.shape import Shape
 from lightning_par.strategies.catalog import entry_of

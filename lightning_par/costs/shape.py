@@ -1,7 +1,7 @@
 """The cost model's one shape of a decoder: ``Shape``, the sizes every cost formula reads.
 
 One ``Shape`` describes our GPT / MoE (``models/gpt.py``, ``models/moe.py``) or, with ``hf_arch``, a
-Hugging Face decoder as ``models/hf.py`` builds it, and the sequence length it trains on. The memory
+Hugging Face decoder as ``models/hf/causal_lm.py`` builds it, and the sequence length it trains on. The memory
 formulas (``activations.py``, ``peak.py``), the step time (``step_time.py``) and the comm model
 (``comm.py``: a ``CommShape`` is a ``Shape`` at one micro-batch) all read this one class.
 
@@ -35,7 +35,7 @@ HF_ARCHS = ("llama", "qwen2", "gpt2")
 #: written out in Python ops (0.5 x (1 + tanh(c (x + 0.044715 x^3)))) and keeps four (what
 #: ``activations.py``'s formulas count; here because ``Shape.of_hf`` refuses any other activation)
 ACT_SAVED = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "gelu_new": 4}
-#: transformers config fields a ``Shape`` holds in its own fields (``models/hf.py``'s size vocabulary:
+#: transformers config fields a ``Shape`` holds in its own fields (``models/hf/causal_lm.py``'s size vocabulary:
 #: ``hf_config``'s arguments), by architecture family
 _HF_SIZE_FIELDS = {
     "gpt2": ("n_embd", "n_layer", "n_head", "n_inner", "n_positions", "vocab_size", "tie_word_embeddings",
@@ -69,7 +69,7 @@ def hf_extra_fields(config: Any) -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class Shape:
     """A decoder's shape and the sequence length it trains on: our GPT / MoE (fields as in
-    ``GPTConfig``) or, with ``hf_arch``, a Hugging Face decoder as ``models/hf.py`` builds it. For
+    ``GPTConfig``) or, with ``hf_arch``, a Hugging Face decoder as ``models/hf/causal_lm.py`` builds it. For
     those ``mlp_ratio`` and ``dropout`` are not used (``mlp_hidden`` says the MLP's size; dropout is
     off) and ``bias`` says whether the norms have one (linear biases, e.g. Qwen2's q/k/v, are in the
     parameter counts, which come from the model)."""
@@ -105,7 +105,7 @@ class Shape:
 
     @property
     def hf(self) -> bool:
-        """A Hugging Face decoder (``models/hf.py``), not our GPT / MoE."""
+        """A Hugging Face decoder (``models/hf/causal_lm.py``), not our GPT / MoE."""
         return bool(self.hf_arch)
 
     @property
@@ -181,7 +181,7 @@ class Shape:
 
     @classmethod
     def of_hf(cls, config: Any, seq_len: int | None = None) -> Shape:
-        """From the transformers config ``models/hf.py`` builds (``HFCausalLM.hf_config``: no dropout,
+        """From the transformers config ``models/hf/causal_lm.py`` builds (``HFCausalLM.hf_config``: no dropout,
         head_dim = hidden / heads); ``seq_len`` defaults to its longest sequence. ValueError for an
         architecture whose layers this module does not describe (``HF_ARCHS``)."""
         arch = str(config.model_type)
@@ -193,7 +193,7 @@ class Shape:
         heads = int(config.n_head if gpt2 else config.num_attention_heads)
         if not gpt2 and int(getattr(config, "head_dim", None) or hidden // heads) * heads != hidden:
             raise ValueError(f"{arch}: head_dim x heads != hidden ({config.head_dim} x {heads} != {hidden}); the "
-                             "estimator assumes models/hf.py's head_dim = hidden / heads")
+                             "estimator assumes models/hf/causal_lm.py's head_dim = hidden / heads")
         act = str(config.activation_function if gpt2 else config.hidden_act)
         if act not in ACT_SAVED:
             raise ValueError(f"{arch}: the estimator does not know what activation {act!r} saves "
@@ -212,12 +212,12 @@ class Shape:
                    hf_extra=hf_extra_fields(config))
 
     def hf_config(self, layers: int | None = None) -> Any:
-        """The transformers config of a Hugging Face shape, built by ``models/hf.py``'s ``hf_config``
+        """The transformers config of a Hugging Face shape, built by ``models/hf/causal_lm.py``'s ``hf_config``
         with its further fields (``hf_extra``; ``layers``: another depth, e.g. one layer to count a
         layer's parameters)."""
         if not self.hf:
             raise ValueError("hf_config: not a Hugging Face shape (hf_arch is empty); see gpt_config")
-        from lightning_par.models.hf import hf_config
+        from lightning_par.models.hf.causal_lm import hf_config
 
         act = {"activation_function" if self.hf_arch == "gpt2" else "hidden_act": self.hidden_act}
         return hf_config(self.hf_arch, hidden=self.n_embd, layers=layers or self.n_layer, heads=self.n_head,

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lightning_par import dtypes
+from lightning_par.core import dtypes
 
-#: the precisions the estimator models (their dtypes: ``lightning_par/dtypes.py``)
+#: the precisions the estimator models (their dtypes: ``lightning_par/core/dtypes.py``)
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "paper-mixed")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
 BLOCK_8BIT = 256  # torchao AdamW8bit's default block_size
@@ -83,7 +83,7 @@ DISK_CHUNK_BYTES = 64 * 2**20
 
 def disk_tier_resident(states_bytes: float, elems: float, largest_elems: float,
                        chunk_bytes: float = DISK_CHUNK_BYTES, param_bytes: float = 4) -> int:
-    """Host bytes the disk tier (``parallel/disk_offload.py``) keeps of ``states_bytes`` of offloaded
+    """Host bytes the disk tier (``parallel/sharding/disk_offload.py``) keeps of ``states_bytes`` of offloaded
     states over ``elems`` parameters: its optimizer step pages in one chunk (``chunk_bytes`` of
     parameters, at least the largest parameter) while it prefetches the next and releases the one
     before, each with its parameters, gradients and optimizer state. The rest stays on disk."""

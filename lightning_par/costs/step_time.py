@@ -30,7 +30,7 @@
   host link (overlapped with compute like the gathers); the optimizer step then runs on the host
   (``host_adam_gbs``: bytes of parameters, gradients and fp32 states read and written per second),
   after backward, exposed whole.
-- **disk tier** (the same states in files, ``parallel/disk_offload.py``; ``disk_gbs``: this rank's
+- **disk tier** (the same states in files, ``parallel/sharding/disk_offload.py``; ``disk_gbs``: this rank's
   share of its node's disk bandwidth, read and write alike): the worst case, states larger than
   the page cache. Every micro-batch reads the parameter shard in the forward and backward gathers
   and reads and writes the gradient shard it accumulates into (16 bytes per parameter: fp32 files),
@@ -161,7 +161,7 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
                 exposed += seconds
     bubble = 0.0
     if pp > 1:
-        from lightning_par.parallel.pipeline import theoretical_bubble
+        from lightning_par.parallel.pipeline.schedule import theoretical_bubble
 
         f = theoretical_bubble(schedule, pp, micro_batches, virtual_stages)
         bubble = compute * f / (1 - f)

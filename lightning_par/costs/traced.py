@@ -11,7 +11,7 @@ loss's fp32 logits. On the CPU it equals MemTracker on real tensors to the byte;
 CPU's (on CUDA, flash attention saves less than the CPU's SDPA: the estimate is then an upper bound
 for attention).
 
-``lightning_par.estimate.estimate_traced`` turns the two moments into a per-rank peak for each
+``lightning_par.costs.estimate.estimate_traced`` turns the two moments into a per-rank peak for each
 data-parallel strategy (its states sharded as the strategy shards them, FSDP's gathered units
 added). Why not torch's ``FSDPMemTracker`` or a real run: both need the processes and the memory.
 """
@@ -76,7 +76,7 @@ class TracedStep:
 
 
 def _precision_context(precision: str, device_type: str) -> Any:
-    from lightning_par import dtypes
+    from lightning_par.core import dtypes
 
     pr = dtypes.precision(dtypes.canonical_precision(precision))
     if pr.compute != pr.param:  # mixed: autocast, as Lightning's MixedPrecision plugin
@@ -117,7 +117,7 @@ class AdamW8bitBytes(torch.optim.Optimizer):
     The real step cannot run on fake tensors: torchao compiles its per-parameter update
     (``torch.compile(fullgraph=True)``) and calls the Inductor kernel, native code, with the tensors'
     data pointers, which fake tensors do not have: the step segfaults (issue 34; measured with torch
-    2.13 and torchao 0.18 with the fake mode suspended, as ``optim.py``'s step suspended it, and
+    2.13 and torchao 0.18 with the fake mode suspended, as ``core/optim.py``'s step suspended it, and
     under it once torchao's quantisation map is cached). On real tensors that step runs with every dispatch mode suspended, so MemTracker
     would not see its temporaries either.
     This stand-in allocates the same tensors as torchao 0.18 (``adam.py`` ``_new_buffer``,
@@ -173,7 +173,7 @@ class AdamW8bitBytes(torch.optim.Optimizer):
 
 def measurable_optimizer(optimizer: Any) -> Any:
     """``optimizer``, or the stand-in the trace runs instead where the real one cannot be traced
-    (torchao's ``AdamW8bit``, ``lightning_par.optim``'s included: ``AdamW8bitBytes``)."""
+    (torchao's ``AdamW8bit``, ``lightning_par.core.optim``'s included: ``AdamW8bitBytes``)."""
     if "torchao.optim" not in sys.modules:  # torchao's optimizers import it: none of them can be this one
         return optimizer
     from torchao.optim import AdamW8bit
@@ -236,7 +236,7 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from lightning_par import dtypes
+    from lightning_par.core import dtypes
     from lightning_par.parallel.contract import example_input_of, loss_fn_of
     from lightning_par.parallel.discovery import resolve_plan
 

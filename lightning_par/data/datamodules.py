@@ -12,7 +12,7 @@ The per-rank micro-batch follows from the data-parallel size (read from the stra
 gradient accumulation; a size that does not divide raises ``ConfigError``.
 
 Mid-epoch resume: the loaders here are plain ``DataLoader``s; the strategies wrap the training one
-in ``strategies/checkpoint.py``'s ``ResumableLoader``. torchdata's ``StatefulDataLoader`` does not
+in ``strategies/checkpoint/dcp.py``'s ``ResumableLoader``. torchdata's ``StatefulDataLoader`` does not
 replace it: its state is per rank (batches this rank yielded, plus the sampler's own state; "not
 across ranks", its documentation says), so a checkpoint resumed on a different data-parallel size
 -- which lightning_par supports, e.g. zero3 on 4 ranks resumed under ddp on 2 -- would skip the

@@ -1,6 +1,6 @@
 """Pre-tokenized corpora: ``data=tokens data.path=GLOB`` reads token files written by ``lightning-par-prepare``.
 
-File format: ``lightning_par/token_format.py`` (a 64-byte header, then the raw ids), and an
+File format: ``lightning_par/core/token_format.py`` (a 64-byte header, then the raw ids), and an
 optional sidecar ``<file>.json``; a glob matching sidecars skips them.
 
 Opening reads the 64-byte headers and the files' sizes, nothing else: the tokens are mapped with
@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from lightning_par import ConfigError
 from lightning_par.data.datamodules import ParDataModule
-from lightning_par.token_format import (  # noqa: F401 -- re-exported: the format's names beside the reader
+from lightning_par.core.token_format import (  # noqa: F401 -- re-exported: the format's names beside the reader
     HEADER_BYTES, MAGIC, TokenFile, dtype_for, pack_header)
 
 

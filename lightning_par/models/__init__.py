@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return getattr(module, name)
     if name == "from_pretrained":  # a Hugging Face checkpoint the strategy fills shard by shard
-        from lightning_par.models.pretrained import from_pretrained
+        from lightning_par.models.hf.pretrained import from_pretrained
 
         return from_pretrained
     if name == "MoEModule":

@@ -26,10 +26,10 @@ from torch import nn
 
 from lightning_par import ConfigError
 from lightning_par.models.cnn import CNN
-from lightning_par.logging_steps import logs_this_step
+from lightning_par.core.logging_steps import logs_this_step
 from lightning_par.models.gpt import GPT, PRESETS, GPTConfig
 from lightning_par.models.mlp import MLPNet
-from lightning_par.optim import (OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, schedule_config,
+from lightning_par.core.optim import (OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, schedule_config,
                                  scaled_lr)
 from lightning_par.parallel.contract import ParallelPlan
 
@@ -68,7 +68,7 @@ class ParModule(L.LightningModule):
         if path is not None and path.is_dir():
             from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
-            from lightning_par.strategies.checkpoint import check_checkpoint, lightning_checkpoint
+            from lightning_par.strategies.checkpoint.dcp import check_checkpoint, lightning_checkpoint
 
             check_checkpoint(path)
             buffer = io.BytesIO()
@@ -110,7 +110,7 @@ class ParModule(L.LightningModule):
         return loss
 
     def training_lr(self) -> float:
-        """``lr`` after the schedule's batch-size scaling rule (``lightning_par/optim.py``)."""
+        """``lr`` after the schedule's batch-size scaling rule (``lightning_par/core/optim.py``)."""
         s = self.schedule
         if s.lr_scaling == "none":
             return self.lr
@@ -119,7 +119,7 @@ class ParModule(L.LightningModule):
         return scaled_lr(self.lr, self.global_batch_size, s.lr_scaling, s.base_batch_size)
 
     def configure_optimizers(self) -> Any:
-        """The optimizer factory's optimizer (``lightning_par/optim.py``) and, unless the schedule is
+        """The optimizer factory's optimizer (``lightning_par/core/optim.py``) and, unless the schedule is
         ``constant``, its per-step LR scheduler."""
         cfg = OptimizerConfig(self.optimizer_name, lr=self.training_lr(), weight_decay=self.weight_decay,
                               betas=self.betas, momentum=self.momentum)

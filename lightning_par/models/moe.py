@@ -1,6 +1,6 @@
 """A mixture-of-experts decoder: the GPT of ``gpt.py`` with the MLP of every ``moe_every``-th block
 replaced by a routed MoE layer. Architecture only: how the experts are spread over ranks is
-``parallel/expert_parallel.py``'s business; this file only calls a token *dispatcher* that by
+``parallel/tensor/expert_parallel.py``'s business; this file only calls a token *dispatcher* that by
 default runs every expert here.
 
 The MoE layer (``MoE``):
@@ -162,14 +162,14 @@ class Experts(nn.Module):
 
     ``grad_scale`` (1 here) multiplies the weights' gradient of every backward: under expert
     parallelism an expert's gradient sums the losses of the ep ranks whose tokens it served, and
-    ``parallel/expert_parallel.py`` sets 1/ep to make that sum a mean like every other gradient's.
+    ``parallel/tensor/expert_parallel.py`` sets 1/ep to make that sum a mean like every other gradient's.
     """
 
     def __init__(self, n: int, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
-        self.dispatch: Dispatcher = run_local  # replaced by parallel/expert_parallel.py under EP
+        self.dispatch: Dispatcher = run_local  # replaced by parallel/tensor/expert_parallel.py under EP
         self.last_a2a_bytes = 0  # bytes this rank sends by all-to-all for its last forward (and its backward)
         self.grad_scale = 1.0
 

@@ -1,5 +1,5 @@
 """``lightning-par-advise`` (``python -m lightning_par.modes.advise``): the strategy advisor
-(``lightning_par/advisor.py``) on a command line. The model in -- a preset (our GPT / MoE or a Hugging
+(``lightning_par/costs/advisor.py``) on a command line. The model in -- a preset (our GPT / MoE or a Hugging
 Face decoder of conf/model), a transformers config (``--config config.json``), a ``save_pretrained``
 directory (``--pretrained DIR``: its config.json only, no weight is read), or a parameter count with
 its sizes (a GPT, or with ``--kv-heads`` / ``--intermediate`` / ``--tie-embeddings`` / ``--arch`` a
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_par.advisor import Advice, Cluster, advise, describe
+from lightning_par.costs.advisor import Advice, Cluster, advise, describe
 from lightning_par.costs.shape import Shape
-from lightning_par.estimate import preset_names
+from lightning_par.costs.estimate import preset_names
 
 #: the longest default sequence for a config (``--seq-len`` unset): its max_position_embeddings, at most this
 MAX_DEFAULT_SEQ = 8192
@@ -47,9 +47,9 @@ def _flag(dest: str) -> str:
 
 def read_hf_config(path: str, *, directory: bool) -> Any:
     """The transformers config of ``path``: a ``config.json`` (or a directory holding one), or with
-    ``directory`` a ``save_pretrained`` directory (``models/pretrained.py``'s reader: a causal LM's
+    ``directory`` a ``save_pretrained`` directory (``models/hf/pretrained.py``'s reader: a causal LM's
     config, dropout off). Never reads weights. ValueError (one line) where it cannot."""
-    from lightning_par.models.pretrained import _transformers, pretrained_config
+    from lightning_par.models.hf.pretrained import _transformers, pretrained_config
 
     p = Path(path).expanduser()
     if directory or p.is_dir():
@@ -71,7 +71,7 @@ def _hf_count(cfg: Any) -> int:
     """Parameters of the model of ``cfg``, built by transformers on the meta device."""
     import torch
 
-    from lightning_par.models.pretrained import _transformers
+    from lightning_par.models.hf.pretrained import _transformers
 
     with torch.device("meta"):
         net = _transformers().AutoModelForCausalLM.from_config(cfg)
@@ -82,7 +82,7 @@ def shape_of_config(cfg: Any, seq_len: int | None, what: str) -> Shape:
     """The ``Shape`` of a transformers config at ``seq_len`` (default: its longest sequence, at most
     ``MAX_DEFAULT_SEQ``). ValueError naming the model and its parameter count where the cost model
     has no shape for its architecture (an MoE family, sliding-window layers, ...)."""
-    from lightning_par.models.hf import _max_positions
+    from lightning_par.models.hf.causal_lm import _max_positions
 
     positions = _max_positions(cfg)
     seq = seq_len or min(positions or MAX_DEFAULT_SEQ, MAX_DEFAULT_SEQ)
@@ -100,7 +100,7 @@ def shape_of_config(cfg: Any, seq_len: int | None, what: str) -> Shape:
 
 def shape_from_args(args: argparse.Namespace) -> Asked:
     """The model the arguments ask about (``Asked``); ValueError (one line) for a contradiction."""
-    from lightning_par.estimate import model_shape
+    from lightning_par.costs.estimate import model_shape
 
     given = [_flag(d) for d in _SIZE_FLAGS if getattr(args, d) not in (None, False)]
     if args.params is None and given:
@@ -131,7 +131,7 @@ def shape_from_args(args: argparse.Namespace) -> Asked:
                              "that size: --arch llama")
         shape = Shape(args.layers, args.hidden, heads, vocab, seq, int(ratio or 4), bias=False, block_size=seq)
     else:
-        from lightning_par.models.hf import hf_config
+        from lightning_par.models.hf.causal_lm import hf_config
 
         if args.intermediate and ratio is not None:
             raise ValueError("--intermediate and --mlp-ratio both say the MLP's size: give one")
@@ -168,7 +168,7 @@ def model_lines(asked: Asked) -> list[str]:
 def _precision(text: str) -> str:
     """Lightning's spellings (``bf16`` -> ``bf16-mixed``), checked against the estimator's table."""
     from lightning_par.costs.states import PRECISIONS
-    from lightning_par.dtypes import canonical_precision
+    from lightning_par.core.dtypes import canonical_precision
 
     name = canonical_precision(text)
     if name not in PRECISIONS:

@@ -90,8 +90,8 @@ def estimator_seed(cfg: DictConfig, model: Any, strategy: str, world: int, cap: 
     """The largest power of two whose estimated per-rank memory fits ``cap`` (1 without a cap, or for
     a strategy or model the estimator cannot price). A model without a GPT shape (Hugging Face, a
     user's module) is traced on fake tensors at each size (``costs/traced.py``)."""
-    from lightning_par.dtypes import canonical_precision
-    from lightning_par.estimate import Shape, estimate, estimate_traced
+    from lightning_par.core.dtypes import canonical_precision
+    from lightning_par.costs.estimate import Shape, estimate, estimate_traced
 
     if cap is None or cap <= 0:
         return 1
@@ -160,7 +160,7 @@ def find_batch_size(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from hydra.core.hydra_config import HydraConfig
 
-    from lightning_par.train import build, validate
+    from lightning_par.run.train import build, validate
 
     opts = cfg.get("find_batch_size") or {}
     cap_gb = opts.get("max_memory_gb")

@@ -1,5 +1,5 @@
 """``mode=estimate`` and ``python -m lightning_par.modes.estimate``: the memory model
-(``lightning_par/estimate.py``) asked about a run's config or a command line. App code: it reads
+(``lightning_par/costs/estimate.py``) asked about a run's config or a command line. App code: it reads
 config nodes and builds the configured strategy; the cost model below it takes plain arguments."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_par.costs.traced import trace_model
-from lightning_par.dtypes import canonical_precision
-from lightning_par.estimate import (OPTIMIZERS, PRECISIONS, STRATEGIES, MemoryEstimate, estimate, estimate_table,
+from lightning_par.core.dtypes import canonical_precision
+from lightning_par.costs.estimate import (OPTIMIZERS, PRECISIONS, STRATEGIES, MemoryEstimate, estimate, estimate_table,
                                     estimate_traced, model_shape, preset_names, strategy_layout)
 from lightning_par.strategies.catalog import CATALOG, entry_of
 
@@ -22,7 +22,7 @@ def run_estimate(cfg: Any) -> str:
 
     Rows: the data-parallel family at N ranks and, when the configured strategy is another, that
     strategy with its own mesh (``dims_for``). N, the per-rank micro-batch and the mesh come from
-    ``lightning_par.facts`` (as training computes them); the model's shape from the module the model
+    ``lightning_par.run.facts`` (as training computes them); the model's shape from the module the model
     config builds. Optional keys: ``+estimate.device_memory=80`` (a fits column, in ``unit``),
     ``+estimate.unit=GB``, ``+estimate.params=7.5e9`` (a bare count instead of the model),
     ``+estimate.device=cpu`` (default: cuda unless ``trainer.accelerator=cpu``), ``+estimate.method``:
@@ -33,7 +33,7 @@ def run_estimate(cfg: Any) -> str:
     Writes ``<run dir>/estimate.json`` (bytes). Raises ``ConfigError`` (one line) for bad input.
     """
     from lightning_par import ConfigError
-    from lightning_par import facts
+    from lightning_par.run import facts
 
     opts = cfg.get("estimate") or {}
     try:
@@ -172,7 +172,7 @@ def _count(module: Any) -> int:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m lightning_par.modes.estimate",
-                                 description="Memory per rank of every strategy (lightning_par/estimate.py)")
+                                 description="Memory per rank of every strategy (lightning_par/costs/estimate.py)")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="PRESET",
                      help="a model of conf/model: " + ", ".join(preset_names()) + " (the GPT and MoE presets, "

@@ -19,7 +19,7 @@ knowledge that cannot be read off the module:
   keep only the local shard. Without it, each submodule's ``reset_parameters()`` is used.
 - ``_lp_pretrained = Pretrained(directory)`` on any submodule (set by ``lightning_par.from_pretrained``
   and ``HFCausalLM(pretrained=...)``): that submodule's weights come from a ``save_pretrained``
-  directory, each rank reading only its shards (``parallel/pretrained.py``), not from its init.
+  directory, each rank reading only its shards (``parallel/init/weights.py``), not from its init.
 
 Strategies query a model only through the accessor functions below (no ``getattr`` probing
 elsewhere), so what a model may declare is written down once.
@@ -29,11 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+
+#: ``(model, layers, start, end)`` -> a callable ``(x, get_submodule, **batch_fields) -> output`` running
+#: ``layers[start:end]`` through the model's own forward, or None (see ``ParallelPlan.stage_runner``)
+StageRunnerFactory = Callable[[nn.Module, Sequence[str], int, int], Callable[..., torch.Tensor] | None]
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,13 @@ class ParallelPlan:
       balanced cuts keep to these, explicit ``split_points`` elsewhere are refused.
     - ``pp_refusal``: why no pipeline plan could be found for the model (one line); a pipeline
       refuses with it.
+    - ``stage_runner``: ``(model, layers, start, end) -> runner or None``: how a pipeline stage of
+      ``layers[start:end]`` runs the model's own forward (``runner(x, get_submodule, **batch_fields)``);
+      None, or a None runner: the stage calls its layers one after another. Set by the plan's discovery
+      for a Hugging Face model (``parallel/hf/stages.py``), so the generic pipeline code never imports it.
+    - ``install_experts``: ``(module, dispatch, n_experts)``: puts expert parallelism's dispatcher into an
+      experts module that does not call one itself (a Hugging Face experts module); None: the module has a
+      ``dispatch`` attribute (our ``Experts``), or expert parallelism refuses it.
     """
 
     layers: tuple[str, ...] = ()
@@ -69,6 +81,8 @@ class ParallelPlan:
     n_experts: int = 0
     stage_starts: tuple[int, ...] = ()
     pp_refusal: str = ""
+    stage_runner: StageRunnerFactory | None = field(default=None, compare=False, repr=False)
+    install_experts: Callable[[nn.Module, Any, int], None] | None = field(default=None, compare=False, repr=False)
 
     def prefixed(self, prefix: str) -> "ParallelPlan":
         if not prefix:
@@ -158,7 +172,7 @@ def forward_stats_sources(modules: Iterable[nn.Module]) -> list[ForwardStatsSour
 class AuxLossSource(ForwardStatsSource, Protocol):
     """A layer that computes an auxiliary training loss inside its forward (an MoE router's balance
     and z-losses). Normally the LightningModule adds it to the loss it returns. A pipeline stage
-    returns only its activations, so ``parallel/pipeline.py`` sets ``aux_grad_scale`` (the scale of
+    returns only its activations, so ``parallel/pipeline/schedule.py`` sets ``aux_grad_scale`` (the scale of
     each micro-batch's loss) and the layer feeds the gradient of ``aux_grad_scale x aux`` into
     backward itself; ``aux_sum`` (detached, summed over its forwards as kept by ``ForwardStatsSource``)
     is what it added."""

@@ -7,7 +7,7 @@ and tensor-parallel styles?". Rules, in order (the first that gives blocks wins;
 1. ``declared``: the model's own ``parallel_plan()`` (``parallel/contract.py``).
 2. ``hf_no_split_modules``: a Hugging Face ``PreTrainedModel`` anywhere inside the module (the module
    itself, or an attribute of a user's LightningModule): its ``_no_split_modules`` give the blocks,
-   its tensor-parallel and pipeline plans the ``tp_plan`` and ``layers`` (``parallel/hf_plan.py``).
+   its tensor-parallel and pipeline plans the ``tp_plan`` and ``layers`` (``parallel/hf/plan.py``).
 3. ``repeated_children``: the children of the model's largest ``ModuleList``/``Sequential`` whose
    children are all of one class (the transformer blocks of almost every model).
 4. ``size``: modules of at least 1/8 of the model's parameters (the smallest such subtrees;
@@ -15,7 +15,7 @@ and tensor-parallel styles?". Rules, in order (the first that gives blocks wins;
 
 A declared plan without blocks (say, only a ``tp_plan``) gets its blocks from rules 2-4. A declared
 ``tp_plan`` that splits a Hugging Face attention module's q/k/v by columns gets that module's head counts
-divided by tp, as the derived plans do (``hf_plan.declared_head_division``).
+divided by tp, as the derived plans do (``hf.plan.declared_head_division``).
 Nothing here imports transformers: Hugging Face models are recognised by their attributes.
 """
 
@@ -27,9 +27,11 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from lightning_par.parallel.contract import InitsWeights, ParallelPlan, declared_plan
-from lightning_par.parallel.fsdp import resolve_units
-from lightning_par.parallel.hf_plan import (declared_head_division, find_hf_model, hf_enable_checkpointing, hf_init_fn,
+from lightning_par.parallel.sharding.fsdp import resolve_units
+from lightning_par.parallel.hf.experts import install as install_hf_experts
+from lightning_par.parallel.hf.plan import (declared_head_division, find_hf_model, hf_enable_checkpointing, hf_init_fn,
                                             hf_parallel_plan, in_tagged_model)
+from lightning_par.parallel.hf.stages import hf_stage_runner
 
 RULES = ("declared", "hf_no_split_modules", "repeated_children", "size")
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -77,7 +79,7 @@ def _hf_plan(module: nn.Module) -> tuple[ParallelPlan, str] | None:
 def _with_head_counts(module: nn.Module, plan: ParallelPlan) -> ParallelPlan:
     """A declared ``tp_plan`` splitting a Hugging Face attention module's projections by columns, with that
     module's head counts divided by tp and checked before launch as the derived plans do
-    (``hf_plan.declared_head_division``), or refused in one line (``tp_refusal``) where they cannot be."""
+    (``hf.plan.declared_head_division``), or refused in one line (``tp_refusal``) where they cannot be."""
     if not plan.tp_plan:
         return plan
     entries, divisible, refusal = declared_head_division(module, plan.tp_plan)
@@ -89,7 +91,16 @@ def _with_head_counts(module: nn.Module, plan: ParallelPlan) -> ParallelPlan:
 
 
 def resolve_plan(module: nn.Module) -> ResolvedPlan:
-    """The plan of ``module`` by the rules of the module docstring."""
+    """The plan of ``module`` by the rules of the module docstring; for a module holding a Hugging Face
+    model, with that model's pipeline stage runner and expert installer (``ParallelPlan.stage_runner``,
+    ``install_experts``): the one place the generic techniques get Hugging Face code from."""
+    resolved = _resolve(module)
+    if find_hf_model(module) is None:
+        return resolved
+    return replace(resolved, plan=replace(resolved.plan, stage_runner=hf_stage_runner, install_experts=install_hf_experts))
+
+
+def _resolve(module: nn.Module) -> ResolvedPlan:
     plan = declared_plan(module)
     if plan is not None:
         plan = _with_head_counts(module, plan)

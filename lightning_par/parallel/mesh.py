@@ -6,7 +6,7 @@ fetched by name (``dims.dp``, ``mesh["tp"]``), never by position, so a strategy 
 1-D mesh. Axis order, outermost first: pp, dp_replicate, dp_shard, ep, tp -- tensor parallelism is
 innermost so its groups are neighbouring ranks (same node), pipeline outermost (crosses nodes).
 ``ep`` (expert parallelism) is a data axis too: its ranks see different batches and exchange
-tokens with all-to-all (``parallel/expert_parallel.py``).
+tokens with all-to-all (``parallel/tensor/expert_parallel.py``).
 """
 
 from __future__ import annotations

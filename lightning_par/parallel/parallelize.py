@@ -39,15 +39,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.discovery import ResolvedPlan, init_groups
-from lightning_par.parallel.expert_parallel import apply_expert_parallel, shard_experts
-from lightning_par.parallel.fsdp import apply_fsdp, resolve_units
-from lightning_par.parallel.init_trace import InitTrace, tensor_refs
-from lightning_par.parallel.materialize import InitFn, capture_templates, has_meta_tensors, materialize
-from lightning_par.parallel.pretrained import weight_sources
-from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
-from lightning_par.parallel.tiling import apply_tiling, check_tiling, with_tied_partners
+from lightning_par.parallel.tensor.expert_parallel import apply_expert_parallel, shard_experts
+from lightning_par.parallel.sharding.fsdp import apply_fsdp, resolve_units
+from lightning_par.parallel.init.init_trace import InitTrace, tensor_refs
+from lightning_par.parallel.init.materialize import InitFn, capture_templates, has_meta_tensors, materialize
+from lightning_par.parallel.init.weights import weight_sources
+from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
+from lightning_par.parallel.memory.tiling import apply_tiling, check_tiling, with_tied_partners
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,8 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                                   divisible=plan.tp_divisible, strict=spec.cut is None, keep_plain=experts)
         if spec.expert_parallel is not None:                                             # expert parallel
             ep = spec.expert_parallel
-            expert_modules = apply_expert_parallel(stage, ep_mesh=ep.mesh, experts=_blocks_in(stage, module, ep.experts))
+            expert_modules = apply_expert_parallel(stage, ep_mesh=ep.mesh, experts=_blocks_in(stage, module, ep.experts),
+                                                   install=plan.install_experts)
         blocks = _blocks_in(stage, module, plan.blocks)
         stage_tiles = _blocks_in(stage, module, tiles)
         if spec.activation_checkpointing:                                                # checkpoint activations

@@ -39,16 +39,16 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from lightning_par import ConfigError
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
-from lightning_par.parallel.hf_save import install_sharded_save
-from lightning_par.parallel.init_trace import InitTrace
+from lightning_par.parallel.hf.save import install_sharded_save
+from lightning_par.parallel.init.init_trace import InitTrace
 from lightning_par.parallel.layout import CostOptions
-from lightning_par.parallel.materialize import canonical_name
+from lightning_par.parallel.init.materialize import canonical_name
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
-from lightning_par.parallel.pretrained import transformers_from_pretrained_on_meta
-from lightning_par.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
-from lightning_par.parallel.tiling import check_tiling
-from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
+from lightning_par.parallel.hf.from_pretrained import transformers_from_pretrained_on_meta
+from lightning_par.parallel.sharding.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_par.parallel.memory.tiling import check_tiling
+from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 
 # LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
 # call submodules directly instead of ``self(...)``
@@ -86,7 +86,7 @@ def destroy_process_group_at_exit() -> None:
 
 class GlobalSyncBatchNorm(LayerSync):
     """Lightning ``LayerSync`` plugin for lightning_par's device-agnostic synchronized BatchNorm
-    (``parallel/sync_batchnorm.py``) over the group ``group_fn()`` returns (None: the default group),
+    (``parallel/sharding/sync_batchnorm.py``) over the group ``group_fn()`` returns (None: the default group),
     resolved when applied (the process group does not exist yet when the Trainer is built)."""
 
     def __init__(self, group_fn: Any = None) -> None:
@@ -118,7 +118,7 @@ class ParStrategyMixin:
     compile: bool | dict[str, Any] = False
     #: what setup learnt about the model (units rule, parameter count), for the run summary
     model_facts: dict[str, Any] = {}
-    #: memory-centric tiling: module path -> tile count (``parallel/tiling.py``); the app sets it from
+    #: memory-centric tiling: module path -> tile count (``parallel/memory/tiling.py``); the app sets it from
     #: ``strategy.tiling``, a user's own Trainer by ``strategy.tiling = {...}`` before ``fit``
     tiling: dict[str, int] = {}
     #: BatchNorm statistics over the data-parallel ranks (the strategy's own option; ``Trainer(sync_batchnorm=True)``
@@ -212,7 +212,7 @@ class ParStrategyMixin:
                 yield
             return
         # record what the constructor does to the meta tensors: materialisation replays it for the
-        # tensors that no init function sets (a cls token, a constant buffer), see parallel/init_trace.py
+        # tensors that no init function sets (a cls token, a constant buffer), see parallel/init/init_trace.py
         trace = getattr(self, "_init_trace", None) or InitTrace()
         # transformers' own from_pretrained(DIR) builds on meta too, marked for each rank to read its shards
         with torch.device("meta"), self.precision_plugin.tensor_init_context(), trace.recording(), \

@@ -5,8 +5,8 @@ registry knows it as ``lp_<name>``), its class, the arguments a preset fixes, th
 use, what each rank holds (``Sharding``), which traffic model prices its collectives
 (``costs/comm.py``) and which plans the advisor may propose with it. Everything else is derived
 from here: Lightning's ``StrategyRegistry`` (``registry.py``), ``mode=estimate``'s rows and the
-strategy it reads off a built instance (``estimate.py``), the cost layout the estimator and the
-comm model price (``StrategyEntry.cost_layout``), and the advisor's candidates (``advisor.py``).
+strategy it reads off a built instance (``costs/estimate.py``), the cost layout the estimator and the
+comm model price (``StrategyEntry.cost_layout``), and the advisor's candidates (``costs/advisor.py``).
 Defaults are the class constructor's (``StrategyEntry.defaults``); ``tests/test_catalog.py`` checks
 that each yaml agrees with them.
 

@@ -35,15 +35,15 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_par import ConfigError
-from lightning_par.optim import per_tensor_where_mixed
+from lightning_par.core.optim import per_tensor_where_mixed
 from lightning_par.parallel.discovery import ResolvedPlan, resolve_plan
-from lightning_par.parallel.expert_parallel import data_mesh
-from lightning_par.parallel.hf_plan import check_tied
+from lightning_par.parallel.tensor.expert_parallel import data_mesh
+from lightning_par.parallel.hf.plan import check_tied
 from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.parallel.parallelize import ExpertParallel, TensorParallel
-from lightning_par.parallel.pipeline import MULTI_STAGE, Pipeline
-from lightning_par.parallel.pipeline_ties import StageTie, broadcast_first_copy
+from lightning_par.parallel.pipeline.schedule import MULTI_STAGE, Pipeline
+from lightning_par.parallel.pipeline.stage_ties import StageTie, broadcast_first_copy
 from lightning_par.strategies.base import ShardedStrategy, has_batchnorm
 from lightning_par.strategies.fsdp_options import FSDPOptions, FSDPOptionsMixin
 from lightning_par.strategies.mesh_checks import (  # noqa: F401  (BALANCE, DATA_PARALLEL: the options, named here)
@@ -81,12 +81,12 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
             parameter counts) or ``time`` (equal measured forward + backward time, on rank 0).
         split_points: explicit cut: the first layer of every stage after the first (index into the
             model's declared layers, or its path).
-        sequence_parallel / loss_parallel: tensor-parallel options (see ``parallel/tensor_parallel.py``).
+        sequence_parallel / loss_parallel: tensor-parallel options (see ``parallel/tensor/tensor_parallel.py``).
         activation_checkpointing: recompute each block's activations in backward.
         reshard_after_forward: FSDP: free gathered parameters after forward; None: True without a
             pipeline, False with one (else every micro-batch all-gathers them again).
         pipelined: run a pipeline schedule even when pp == 1 (the pipeline strategy on one device).
-        ep: expert parallelism for MoE models (``parallel/expert_parallel.py``): the routed experts
+        ep: expert parallelism for MoE models (``parallel/tensor/expert_parallel.py``): the routed experts
             spread over ``ep`` ranks taken from the data axis (ep must divide world / (pp x tp)); the
             rest of the model as without it. The MoE layers run whole on every tensor-parallel rank.
         sync_batchnorm: BatchNorm statistics over the data-parallel ranks (as ``Trainer(sync_batchnorm=True)``);
@@ -143,7 +143,7 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
         self._parallelized = False
         self._loss_scale = 1.0
         self._pending_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._stage_ties: list[StageTie] = []  # a weight shared across pipeline ranks (pipeline_ties.py)
+        self._stage_ties: list[StageTie] = []  # a weight shared across pipeline ranks (pipeline/stage_ties.py)
 
     # ----------------------------------------------------------------------------- sizes
     @override
@@ -229,13 +229,13 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
         out: dict[str, Any] = {}
         pipelined = self.uses_pipeline(dims)
         if pipelined:  # the cut is decided now, before parallelize; its "cut stages" step only applies it
-            cut = self.plan_pipeline(module, resolved.plan.layers, resolved.plan.stage_starts)
+            cut = self.plan_pipeline(module, resolved.plan)
             out["cut"] = lambda model: self._cut(model, cut)
         if dims.tp > 1:
             out["tensor_parallel"] = TensorParallel(mesh["tp"], sequence_parallel=self.sequence_parallel,
                                                     loss_parallel=self.loss_parallel and not pipelined)
         if dims.ep > 1:
-            out["expert_parallel"] = ExpertParallel(mesh["ep"], experts=tuple(getattr(resolved.plan, "experts", ())),
+            out["expert_parallel"] = ExpertParallel(mesh["ep"], experts=resolved.plan.experts,
                                                     fsdp_mesh=mesh["dp_shard"] if dims.dp_shard > 1 else None)
         if dims.dp_shard > 1 or (self.data_parallel == "fsdp" and dims.ep > 1):
             # beside ep, FSDP shards the non-expert parameters over every data rank (dp_shard x ep); the
@@ -265,7 +265,7 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
                              "tensor-parallel ranks too (they hold different tokens); set sequence_parallel=false")
 
     def data_mesh(self) -> Any:
-        """One mesh over every data rank (dp axis x ep; ``parallel/expert_parallel.py``), built in
+        """One mesh over every data rank (dp axis x ep; ``parallel/tensor/expert_parallel.py``), built in
         ``setup_environment``."""
         if self._data_mesh is None:
             self._data_mesh = data_mesh(self.device_mesh)

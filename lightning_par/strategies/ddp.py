@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_par import ConfigError
 from lightning_par.strategies.base import GlobalSyncBatchNorm, ParStrategyMixin, destroy_process_group_at_exit
-from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
+from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 
 __all__ = ["DDPStrategy", "GlobalSyncBatchNorm"]
 

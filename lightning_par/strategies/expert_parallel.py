@@ -2,7 +2,7 @@
 of the model data parallel; composable with FSDP (``data_parallel=fsdp``, torchtitan-style).
 
 Mesh: ``ep`` ranks form an expert-parallel group (each holds n_experts/ep experts of every MoE
-layer and exchanges tokens with the others by all-to-all, ``parallel/expert_parallel.py``); the
+layer and exchanges tokens with the others by all-to-all, ``parallel/tensor/expert_parallel.py``); the
 world is ``dp x ep`` with ``dp = world / ep`` on ``dp_replicate`` (``data_parallel=replicate``) or
 ``dp_shard`` (``fsdp``). Every rank reads its own batch: ep is a data axis too, so the
 data-parallel degree is the whole world.
@@ -29,7 +29,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
-from lightning_par.parallel.expert_parallel import check_expert_parallel
+from lightning_par.parallel.tensor.expert_parallel import check_expert_parallel
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.strategies.composite import MeshParallelStrategy
 

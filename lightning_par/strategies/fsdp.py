@@ -9,7 +9,7 @@ offload, and HSDP: ``replicate`` > 1 builds a 2-D mesh (dp_replicate, dp_shard),
 each group of ``world / replicate`` ranks and all-reducing gradients across the groups.
 
 ``zero3`` and ``zero3_offload`` (``strategies/zero.py``) are this strategy with fixed settings.
-The sharding itself is layer 1 (``parallel/fsdp.py``); the options are one ``FSDPOptions``
+The sharding itself is layer 1 (``parallel/sharding/fsdp.py``); the options are one ``FSDPOptions``
 (``fsdp_options.py``, shared with every strategy that shards with FSDP); this file decides the mesh
 and does the Lightning plumbing (inherited from ``ShardedStrategy``).
 """
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_par.parallel.discovery import ResolvedPlan
-from lightning_par.parallel.fsdp import resolve_units
+from lightning_par.parallel.sharding.fsdp import resolve_units
 from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.strategies.base import ShardedStrategy

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_par.dtypes import parse_dtype
+from lightning_par.core.dtypes import parse_dtype
 from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.parallelize import FullyShard
 
@@ -27,7 +27,7 @@ class FSDPOptions:
 
     Attributes:
         units: the modules sharded as units: ``"blocks"`` (the model's blocks), a class name, a
-            minimum parameter count, or module paths (``parallel/fsdp.py``'s ``resolve_units``).
+            minimum parameter count, or module paths (``parallel/sharding/fsdp.py``'s ``resolve_units``).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); False keeps them until
             backward. None (the mesh strategies): True without a pipeline, False with one.
         prefetch: units whose all-gather each unit issues ahead, in forward and backward.

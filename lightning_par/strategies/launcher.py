@@ -5,7 +5,7 @@ same command line. Under Hydra multirun that command line contains the whole swe
 strategy=single,ddp``), so every child would re-run the sweep (Lightning #15737). This launcher
 keeps Lightning's machinery (environment variables, process observer, thread limits) and only
 replaces the children's command when one is given: ``run.py`` hands over a command that starts
-``python -m lightning_par.child <resolved config>`` -- the child trains exactly this job's config,
+``python -m lightning_par.run.child <resolved config>`` -- the child trains exactly this job's config,
 in this job's output directory, with no Hydra sweep at all. Without a command (a user's own
 script), the children are Lightning's re-runs of the script: they live until the script ends, so
 several ``fit``/``test`` calls in one script share them, as with Lightning's own launcher.
@@ -128,7 +128,7 @@ class _JobObserver(_ChildProcessObserver):
         # in a sweep this ends the sweep, with a record, rather than hanging it.
         import sys
 
-        from lightning_par.jobs import record_failure
+        from lightning_par.core.jobs import record_failure
 
         rank, code = self.dead
         error = RankDied(f"rank {rank} died ({describe_exit(code)}) before the ranks connected; "
@@ -257,7 +257,7 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
 def _rank_failure(rank: int, code: int, output_dir: str | None) -> str:
     """One line for a child rank that ended the job: how it exited and, when it recorded one, its own
     error (``jobs.record_rank_failure``: a child prints nothing itself, so each failure reads once)."""
-    from lightning_par.jobs import read_rank_failure
+    from lightning_par.core.jobs import read_rank_failure
 
     own = read_rank_failure(output_dir, rank) if output_dir else None
     if own is not None:

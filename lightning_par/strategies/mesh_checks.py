@@ -20,13 +20,13 @@ from typing import Any
 from torch import nn
 
 from lightning_par.parallel.contract import example_input_of, loss_fn_of
-from lightning_par.parallel.expert_parallel import check_expert_parallel as check_expert_sizes
-from lightning_par.parallel.hf_pipeline import check_hf_pipeline
+from lightning_par.parallel.tensor.expert_parallel import check_expert_parallel as check_expert_sizes
+from lightning_par.parallel.hf.stages import check_hf_pipeline
 from lightning_par.parallel.mesh import ParallelDims
-from lightning_par.parallel.pipeline import SCHEDULES, validate_pipeline
-from lightning_par.parallel.stages import n_stage_starts, resolve_split_points
-from lightning_par.parallel.tensor_parallel import check_sequence_parallel as check_sp_plan
-from lightning_par.parallel.tensor_parallel import check_tp_divisible
+from lightning_par.parallel.pipeline.schedule import SCHEDULES, validate_pipeline
+from lightning_par.parallel.pipeline.stages import n_stage_starts, resolve_split_points
+from lightning_par.parallel.tensor.tensor_parallel import check_sequence_parallel as check_sp_plan
+from lightning_par.parallel.tensor.tensor_parallel import check_tp_divisible
 
 DATA_PARALLEL = ("replicate", "fsdp")
 BALANCE = ("params", "time")

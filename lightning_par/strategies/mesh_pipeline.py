@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from typing_extensions import override
 
 from lightning_par import ConfigError
-from lightning_par.optim import per_tensor_where_mixed
-from lightning_par.parallel.contract import example_input_of
+from lightning_par.core.optim import per_tensor_where_mixed
+from lightning_par.parallel.contract import ParallelPlan, example_input_of
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
-from lightning_par.parallel.pipeline import Pipeline, build_schedule, stage_indices_for_rank
-from lightning_par.parallel.pipeline_ties import StageTie
-from lightning_par.strategies.checkpoint import canonical_fqn
+from lightning_par.parallel.pipeline.schedule import Pipeline, build_schedule, stage_indices_for_rank
+from lightning_par.parallel.pipeline.stage_ties import StageTie
+from lightning_par.strategies.checkpoint.dcp import canonical_fqn
 from lightning_par.strategies.pipeline_plan import PipelinePlan, cut_stages, plan_pipeline
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class MeshPipelineMixin:
     """The pipeline of ``MeshParallelStrategy`` (see the module docstring): planned, cut, scheduled."""
 
     _pipeline: Pipeline | None = None
-    _stage_ties: list[StageTie] = []  # a weight shared across pipeline ranks (pipeline_ties.py)
+    _stage_ties: list[StageTie] = []  # a weight shared across pipeline ranks (pipeline/stage_ties.py)
     #: the cut this rank applied (``plan_pipeline``): boundaries, how they were chosen, stages per rank
     pipeline_plan: PipelinePlan | None = None
 
@@ -52,9 +52,9 @@ class MeshPipelineMixin:
                 "virtual_stages": self.virtual_stages, "pp_rank": pp_rank, "replica": dp_rank * dims.tp + tp_rank,
                 "stages": [m.stage_index for m in pipe.modules] if pipe else []}
 
-    def plan_pipeline(self, module: nn.Module, layers: Sequence[str], starts: Sequence[int] = ()) -> PipelinePlan:
+    def plan_pipeline(self, module: nn.Module, model_plan: ParallelPlan) -> PipelinePlan:
         """Where the model's layers are cut and which stages this rank runs (``pipeline_plan.py``), decided
-        before ``parallelize``. A stage starts only at ``starts`` (``ParallelPlan.stage_starts``; () = anywhere).
+        before ``parallelize``, over ``model_plan.layers``; a stage starts only at its ``stage_starts`` (() = anywhere).
         ``balance=time`` measures on rank 0 and broadcasts: every rank calls this."""
         dims, mesh, trainer = self.parallel_dims, self.device_mesh, self.lightning_module.trainer
         m = self.n_microbatches_for(dims.pp)
@@ -65,7 +65,8 @@ class MeshPipelineMixin:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.pipeline_plan = plan_pipeline(
-            module, layers, starts=starts, schedule=self.schedule, pp=dims.pp,
+            module, model_plan.layers, starts=model_plan.stage_starts, stage_runner=model_plan.stage_runner,
+            schedule=self.schedule, pp=dims.pp,
             pp_rank=mesh["pp"].get_local_rank() if dims.pp > 1 else 0, virtual_stages=self.virtual_stages,
             split_points=self.split_points, balance=self.balance,
             example=lambda: example_input_of(module)(max(1, (micro or m) // m), device=self.root_device),
@@ -105,7 +106,7 @@ class MeshPipelineMixin:
         return gbs // (dims.dp * accumulate)
 
     # ------------------------------------------------------------------- checkpoints
-    # The shared format (strategies/checkpoint.py): model and optimizer state under the full model's
+    # The shared format (strategies/checkpoint/dcp.py): model and optimizer state under the full model's
     # parameter names, each rank writing what it holds. A pipeline rank knows only its own parameters,
     # but the optimizer's ``param_groups`` are one object in the checkpoint (DCP keeps one copy), so
     # they are merged over the ranks first -- then any strategy and layout can load them.

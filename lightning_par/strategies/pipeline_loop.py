@@ -15,7 +15,7 @@ forward-only schedule and logs ``val/loss``.
 With ``loss_parallel`` (tensor parallel), the strategy runs the forward and the model's
 ``loss_fn`` itself on vocabulary-sharded logits, inside torch's ``loss_parallel()`` context.
 
-Gradient clipping uses the norm of the whole model's gradient (``parallel/gradients.py``).
+Gradient clipping uses the norm of the whole model's gradient (``parallel/sharding/gradients.py``).
 ``MeshParallelStrategy`` (``composite.py``) mixes this in; ``PipelineStrategy`` is its
 pipeline-only preset.
 """
@@ -30,11 +30,11 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par.parallel.contract import loss_fn_of
-from lightning_par.parallel.expert_parallel import average_replicated_gradients
-from lightning_par.parallel.gradients import average_gradients, clip_grad_norm_
-from lightning_par.parallel.pipeline_ties import norm_excluded, sum_tied_gradients
-from lightning_par.parallel.pipeline import Pipeline
-from lightning_par.parallel.tensor_parallel import loss_parallel_context, reduce_partial_gradients
+from lightning_par.parallel.tensor.expert_parallel import average_replicated_gradients
+from lightning_par.parallel.sharding.gradients import average_gradients, clip_grad_norm_
+from lightning_par.parallel.pipeline.stage_ties import norm_excluded, sum_tied_gradients
+from lightning_par.parallel.pipeline.schedule import Pipeline
+from lightning_par.parallel.tensor.tensor_parallel import loss_parallel_context, reduce_partial_gradients
 
 
 def pipeline_inputs(batch: Any, where: str, forward_kwargs: bool = False) -> tuple[torch.Tensor, torch.Tensor,

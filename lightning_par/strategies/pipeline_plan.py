@@ -7,7 +7,7 @@ measured forward + backward time, measured on one rank -- on a real host copy wh
 on the meta device -- and shared with the others), the per-layer costs balanced, and the stages of
 every pipeline rank. The strategy calls it while it lists the techniques, before ``parallelize``; the
 **cut stages** step of ``parallelize`` then only applies it (``cut_stages``): this rank's stage
-modules, the weights shared across pipeline ranks (``parallel/pipeline_ties.py``), the other ranks'
+modules, the weights shared across pipeline ranks (``parallel/pipeline/stage_ties.py``), the other ranks'
 layers replaced by ``RemoteLayer``s.
 """
 
@@ -15,27 +15,28 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_par.parallel.materialize import has_meta_tensors
-from lightning_par.parallel.pipeline import (
+from lightning_par.parallel.contract import StageRunnerFactory
+from lightning_par.parallel.init.materialize import has_meta_tensors
+from lightning_par.parallel.pipeline.schedule import (
     balance_layers,
     build_stage_modules,
     layer_costs_by_params,
     stage_indices_for_rank,
 )
-from lightning_par.parallel.pipeline_ties import StageTie, plan_stage_ties
-from lightning_par.parallel.stages import (
+from lightning_par.parallel.pipeline.stage_ties import StageTie, plan_stage_ties
+from lightning_par.parallel.pipeline.stages import (
     check_stage_starts,
     drop_remote_layers,
     measure_layer_times,
     resolve_split_points,
 )
-from lightning_par.parallel.ties import tied_parameters
+from lightning_par.parallel.init.ties import tied_parameters
 
 #: how a cut was chosen: the strategy's ``split_points``, or its ``balance`` (``params`` / ``time``)
 CHOSEN_BY = ("split_points", "params", "time")
@@ -60,6 +61,8 @@ class PipelinePlan:
     stage_ranks: tuple[int, ...]
     #: the stages this rank runs, in the schedule's order (``stage_indices_for_rank``)
     stage_indices: tuple[int, ...]
+    #: how a stage runs the model's own forward (``ParallelPlan.stage_runner``; None: layer after layer)
+    stage_runner: StageRunnerFactory | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_stages(self) -> int:
@@ -70,7 +73,8 @@ class PipelinePlan:
         return {path: s for s in range(self.n_stages) for path in self.layers[self.bounds[s]:self.bounds[s + 1]]}
 
 
-def plan_pipeline(module: nn.Module, layers: Sequence[str], *, starts: Sequence[int] = (), schedule: str, pp: int,
+def plan_pipeline(module: nn.Module, layers: Sequence[str], *, starts: Sequence[int] = (),
+                  stage_runner: StageRunnerFactory | None = None, schedule: str, pp: int,
                   pp_rank: int, virtual_stages: int, split_points: Sequence[int | str] | None = None,
                   balance: str = "params", example: Callable[[], torch.Tensor] | None = None,
                   device: torch.device | str = "cpu", measures: bool = True,
@@ -92,7 +96,8 @@ def plan_pipeline(module: nn.Module, layers: Sequence[str], *, starts: Sequence[
         if measures:
             if example is None:
                 raise ValueError("balance=time needs an example input to measure the layers on")
-            costs = measure_layer_times(measurable(module, device), layers, example(), starts=starts)
+            costs = measure_layer_times(measurable(module, device), layers, example(), starts=starts,
+                                        stage_runner=stage_runner)
         costs = share(costs)
         bounds = balance_layers(costs, n_stages, starts)
     else:
@@ -103,7 +108,8 @@ def plan_pipeline(module: nn.Module, layers: Sequence[str], *, starts: Sequence[
     return PipelinePlan(layers=tuple(layers), bounds=tuple(bounds), chosen_by=chosen_by,
                         costs=tuple(float(c) for c in costs) if costs is not None else None, pp=pp, pp_rank=pp_rank,
                         stage_ranks=tuple(rank_of_stage[s] for s in range(n_stages)),
-                        stage_indices=tuple(stage_indices_for_rank(schedule, pp_rank, pp, virtual_stages)))
+                        stage_indices=tuple(stage_indices_for_rank(schedule, pp_rank, pp, virtual_stages)),
+                        stage_runner=stage_runner)
 
 
 def cut_stages(module: nn.Module, plan: PipelinePlan, mesh: Any) -> tuple[list[nn.Module], list[StageTie]]:
@@ -116,7 +122,7 @@ def cut_stages(module: nn.Module, plan: PipelinePlan, mesh: Any) -> tuple[list[n
     if plan.pp > 1:
         ties = plan_stage_ties(tied_parameters(module), layers, lambda p: plan.stage_ranks[owner[p]], mesh)
     stages = build_stage_modules(module, layers=layers, boundaries=list(plan.bounds),
-                                 stage_indices=list(plan.stage_indices))
+                                 stage_indices=list(plan.stage_indices), stage_runner=plan.stage_runner)
     drop_remote_layers(module, layers, {path for stage in stages for path in stage.layers}, owner)
     return stages, ties
 

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_par.parallel.mesh import ParallelDims
 from lightning_par.strategies.base import ParStrategyMixin
-from lightning_par.strategies.checkpoint import DistributedCheckpointMixin
+from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 
 
 class SingleDeviceStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningSingleDevice):

@@ -4,7 +4,7 @@ Every weight matrix named in ``parallel_plan().tp_plan`` is split over the ``tp`
 splits for q/k/v and the MLP's first linear, row splits for the projections after them, the
 vocabulary split for the embedding and the LM head): each rank holds 1/tp of those parameters,
 gradients and optimizer state, and one all-reduce per attention and per MLP joins the partial
-results (see ``parallel/tensor_parallel.py`` for the math). Options:
+results (see ``parallel/tensor/tensor_parallel.py`` for the math). Options:
 
 - ``sequence_parallel``: LayerNorms and the activations between blocks are sharded along the
   sequence too (the all-reduces become reduce-scatter + all-gather pairs; less activation memory).

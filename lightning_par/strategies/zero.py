@@ -27,15 +27,15 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_par.parallel.disk_offload import FileTier, PagedOptimizer, check_offload_dir, disk_bytes_needed
+from lightning_par.parallel.sharding.disk_offload import FileTier, PagedOptimizer, check_offload_dir, disk_bytes_needed
 from lightning_par.parallel.layout import CostOptions
 from lightning_par.parallel.mesh import ParallelDims
-from lightning_par.parallel.zero import COLLECTIVES, Zero2Optimizer, make_zero1_optimizer
+from lightning_par.parallel.sharding.zero import COLLECTIVES, Zero2Optimizer, make_zero1_optimizer
 from lightning_par.strategies.base import ShardedStrategy
-from lightning_par.strategies.checkpoint import canonical_fqn, hyperparameters, initialize_optimizer_state, module_fqns
+from lightning_par.strategies.checkpoint.dcp import canonical_fqn, hyperparameters, initialize_optimizer_state, module_fqns
 from lightning_par.strategies.ddp import DDPStrategy
 from lightning_par.strategies.fsdp import FSDPStrategy
-from lightning_par.units import fmt_bytes
+from lightning_par.core.units import fmt_bytes
 
 
 class Zero1Strategy(DDPStrategy):
@@ -257,7 +257,7 @@ class Zero3OffloadStrategy(Zero3Strategy):
     copied back, and the optimizer step runs on the host (FSDP2's ``CPUOffloadPolicy``).
 
     With ``offload_dir`` they live in files there instead (the disk tier, ZeRO-Infinity's NVMe tier:
-    ``parallel/disk_offload.py``), host memory holding only the pages in use: a unit's shards while
+    ``parallel/sharding/disk_offload.py``), host memory holding only the pages in use: a unit's shards while
     it is gathered, a parameter's gradient while FSDP accumulates it, a chunk of the optimizer step.
 
     Args:

@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--corpus", default=None, help="also write the tokenizer's training text here, as jsonl")
     ap.add_argument("--seed", type=int, default=0, help="the weights' and the corpus' seed (default 0)")
     a = ap.parse_args(argv)
-    from lightning_par.jobs import quiet_third_party_logs
+    from lightning_par.core.jobs import quiet_third_party_logs
 
     quiet_third_party_logs()  # the first screen is ours, not import noise
     try:

@@ -1,0 +1,250 @@
+"""A Hugging Face ``transformers`` causal language model, built from a config (never downloaded).
+
+``HFCausalLM`` is a ``ParModule`` (same optimizer options and loss) around
+``AutoModelForCausalLM.from_config``: GPT-2, Llama, Qwen2, Mistral, Gemma-2 or Gemma-3 (text) at any
+size, with SDPA or eager attention. Parallelism comes
+from what the model itself declares (``parallel/hf/plan.py``): its decoder layers are the FSDP and
+activation-checkpointing units, its tensor-parallel plan is translated to ours, its pipeline plan
+(or, for GPT-2, one derived from its forward: ``parallel/hf/pp_derive.py``) gives the cut points, and each pipeline stage runs the model's own forward (``parallel/hf/stages.py``:
+its masks, positions, rotary tables, scaling and soft-capping). The model is built in
+``configure_model()`` (Lightning calls it inside the strategy's init context, possibly on the meta
+device); ``parallel_plan()`` works before that from a meta-device copy, so a run can be validated
+before any process starts.
+
+Determinism for loss parity: no dropout, and an eager build draws its weights from a generator forked
+off the global seed, so every strategy and world size starts from the same weights. Attention is
+SDPA by default; ``attn_implementation=eager`` (Gemma-2 supports only eager) computes the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lightning_par.models.module import ParModule
+from lightning_par.models.hf.pretrained import build_pretrained, pretrained_config
+from lightning_par.parallel.contract import ParallelPlan
+from lightning_par.parallel.hf.plan import (
+    check_tied,
+    hf_init_fn,
+    hf_parallel_plan,
+    tag_paths,
+)
+from lightning_par.parallel.init.weights import SafetensorsWeights, check_pretrained
+
+ARCHS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "gemma3_text")
+ATTENTION = ("sdpa", "eager")
+_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
+                 "summary_first_dropout")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("HFCausalLM needs transformers: pip install 'lightning_par[hf]'") from None
+    return transformers
+
+
+def hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int | None, intermediate: int | None,
+              vocab: int, max_positions: int, tie_word_embeddings: bool, attn_implementation: str = "sdpa",
+              **extra: Any) -> Any:
+    """A ``transformers`` config for ``arch`` in our size vocabulary, without dropout, with
+    ``attn_implementation`` (``sdpa`` or ``eager``; ``extra`` may name it too, as the YAML's ``config``)."""
+    attn = extra.pop("attn_implementation", None) or attn_implementation
+    if arch not in ARCHS:
+        raise ValueError(f"HFCausalLM: unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if vocab < 256:
+        raise ValueError(f"HFCausalLM: vocab={vocab} is below 256, the byte-level text data's alphabet")
+    if hidden % heads:
+        raise ValueError(f"HFCausalLM: hidden={hidden} is not divisible by heads={heads}")
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"HFCausalLM: heads={heads} is not a multiple of kv_heads={kv_heads}")
+    if arch == "gpt2":
+        if kv_heads not in (None, heads):
+            raise ValueError("HFCausalLM: gpt2 has no grouped-query attention; leave kv_heads null")
+        sizes = dict(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate, n_positions=max_positions,
+                     bos_token_id=None, eos_token_id=None)
+    else:
+        sizes = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     head_dim=hidden // heads,  # Gemma's configs default to 256 whatever the width
+                     num_key_value_heads=kv_heads or heads, intermediate_size=intermediate or 4 * hidden,
+                     max_position_embeddings=max_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = _transformers().AutoConfig.for_model(arch, vocab_size=vocab, tie_word_embeddings=tie_word_embeddings,
+                                               use_cache=False, **sizes, **extra)
+    for key in _DROPOUT_KEYS:
+        if hasattr(cfg, key):
+            setattr(cfg, key, 0.0)
+    if attn not in ATTENTION:
+        raise ValueError(f"HFCausalLM: attn_implementation={attn!r}; choose one of {', '.join(ATTENTION)}")
+    model_cls = _transformers().AutoModelForCausalLM._model_mapping[type(cfg)]
+    if attn == "sdpa" and not getattr(model_cls, "_supports_sdpa", True):
+        raise ValueError(f"HFCausalLM: {arch} does not support attn_implementation=sdpa; use eager")
+    cfg._attn_implementation = attn
+    return cfg
+
+
+class HFCausalLM(ParModule):
+    """A Hugging Face causal LM from a config; next-token prediction on ``(B, T)`` token ids.
+
+    Args:
+        arch: ``gpt2``, ``llama``, ``qwen2``, ``mistral``, ``gemma2`` or ``gemma3_text``.
+        hidden, layers, heads: width, depth and attention heads.
+        kv_heads: key/value heads (grouped-query attention; null: = heads). Not for gpt2.
+        intermediate: MLP inner size (null: the architecture's default, 4 x hidden).
+        vocab: vocabulary size, at least 256 (the text data is byte-level).
+        max_positions: longest sequence the model accepts (at least ``seq_len``).
+        tie_word_embeddings: share the input embedding with the output projection.
+        seq_len: training sequence length (for ``example_input``).
+        pretrained: a local ``save_pretrained`` directory: the architecture and every size come from
+            its ``config.json`` (``arch`` .. ``tie_word_embeddings`` are then not used) and the weights
+            from its safetensors files, each rank reading only its shards (``models/hf/pretrained.py``).
+            Dropout stays off; ``config`` still sets further fields.
+        attn_implementation: ``sdpa`` (default) or ``eager`` (also accepted inside ``config``).
+        config: further ``transformers`` config fields (e.g. ``rope_theta``, ``sliding_window``).
+        optimizer, lr, weight_decay, betas, momentum: as ``ParModule``.
+    """
+
+    input_kind = "tokens"
+
+    def __init__(self, arch: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
+                 kv_heads: int | None = None, intermediate: int | None = None, vocab: int = 256,
+                 max_positions: int = 128, tie_word_embeddings: bool = False, seq_len: int | None = None,
+                 config: dict | None = None, attn_implementation: str = "sdpa", pretrained: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        # plain values: a dict- or list-valued field from Hydra (``+model.config.rope_parameters={...}``)
+        # arrives as an OmegaConf container, which transformers' config validation refuses
+        config = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
+        self.pretrained = str(pretrained) if pretrained else None
+        if self.pretrained:  # architecture and sizes from the checkpoint; checked against its tensors now
+            extra = dict(config or {})
+            attn = extra.pop("attn_implementation", None) or attn_implementation
+            self.hf_config = pretrained_config(self.pretrained, attn_implementation=attn, **extra)
+            max_positions = _max_positions(self.hf_config) or seq_len or max_positions
+            check_pretrained(self.build_hf("meta"), SafetensorsWeights(self.pretrained))
+        self.seq_len = seq_len or max_positions
+        if self.seq_len > max_positions:
+            raise ValueError(f"HFCausalLM: seq_len={self.seq_len} exceeds max_positions={max_positions}")
+        if not self.pretrained:
+            self.hf_config = hf_config(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                       intermediate=intermediate, vocab=vocab, max_positions=max_positions,
+                                       tie_word_embeddings=tie_word_embeddings, attn_implementation=attn_implementation,
+                                       **dict(config or {}))
+        self._plan: ParallelPlan | None = None
+
+    # ------------------------------------------------------------------------ building
+    def build_net(self, device: torch.device | str = "meta") -> nn.Module:
+        """A fresh copy mapping token ids to logits (used to count FLOPs on the meta device)."""
+        return LogitsOnly(self.build_hf(device))
+
+    def build_hf(self, device: torch.device | str = "meta") -> nn.Module:
+        """A fresh Hugging Face model (meta: shapes only; else initialised from the global seed)."""
+        auto = _transformers().AutoModelForCausalLM
+        device = torch.device(device)
+        attn = self.hf_config._attn_implementation
+        if self.pretrained:  # meta: marked for the strategy to fill from the checkpoint; else loaded whole
+            net = build_pretrained(self.hf_config, self.pretrained, device, check=False)
+        elif device.type == "meta":
+            with torch.device("meta"):
+                net = auto.from_config(self.hf_config, attn_implementation=attn)
+        else:
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), torch.device(device):
+                torch.manual_seed(torch.initial_seed())  # the same weights whatever ran before
+                net = auto.from_config(self.hf_config, attn_implementation=attn)
+        tag_paths(net)  # lets the init function place copies of its submodules (hf_plan.hf_init_fn)
+        return net
+
+    def configure_model(self) -> None:
+        """Build the model once (Lightning's hook; under a meta device context it stays on meta)."""
+        if getattr(self, "net", None) is not None:
+            return
+        device = _current_device()
+        self.net = self.build_hf(device)
+
+    @property
+    def built(self) -> bool:
+        return getattr(self, "net", None) is not None
+
+    def _model(self) -> nn.Module:
+        """The built model, or a meta copy for questions about its structure."""
+        return self.net if self.built else self.build_hf("meta")
+
+    # ------------------------------------------------------------------------ contract
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.built:
+            raise RuntimeError("HFCausalLM: the model is built in configure_model(); call it first")
+        return self.net(input_ids=x, use_cache=False).logits
+
+    def parallel_plan(self) -> ParallelPlan:
+        if self._plan is None:
+            plan = hf_parallel_plan(self._model())
+            assert plan is not None
+            self._plan = plan.prefixed("net")
+        return self._plan
+
+    def check_tied(self, *, tp: int = 1, pp: int = 1) -> None:
+        """One-line ``ValueError`` when tp/pp would untie the tied embeddings (see ``hf.plan.check_tied``)."""
+        check_tied(self._model(), tp=tp, pp=pp)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise the tensors ``module`` (a submodule of ``net`` or a copy of one) owns, as
+        ``from_config`` would (``hf.plan.hf_init_fn``)."""
+        if getattr(self, "_init", None) is None:  # from a pristine meta copy: the live net may be cut or wrapped
+            self._init = hf_init_fn(self.build_hf("meta"))
+        self._init(module)
+
+    def example_input(self, batch_size: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, self.seq_len, dtype=torch.long, device=device)
+
+    def cost_shape(self, seq_len: int | None = None) -> dict[str, Any]:
+        """What the cost model prices this model by (``costs/shape.Shape.of_model`` reads it with
+        ``Shape.of_hf``, which refuses a family it has no op-by-op shape for): its transformers config at
+        ``seq_len`` tokens (None: the longest sequence the model takes)."""
+        return {"family": "hf", "config": self.hf_config, "seq_len": seq_len}
+
+    def state_dict_keys(self) -> list[str]:
+        return list(self._model().state_dict())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The fine-tuned checkpoint's directory rides in the checkpoint (absolute): ``lightning-par-export``
+        copies its ``generation_config.json`` (the source's generation defaults) into the export."""
+        if self.pretrained:
+            checkpoint["pretrained_dir"] = os.path.abspath(self.pretrained)
+
+
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM as a function of token ids to logits. On the meta device it passes an
+    explicit causal mask: building the mask itself reads tensor values, which meta tensors lack."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = None
+        if x.is_meta:
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], 1, t, t)
+        return self.net(input_ids=x, attention_mask=mask, use_cache=False).logits
+
+
+def _max_positions(cfg: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(getattr(cfg, key, None), int):
+            return getattr(cfg, key)
+    return None
+
+
+def _current_device() -> torch.device:
+    """The device new tensors go to now (a ``torch.device`` context, e.g. meta, or the default)."""
+    with contextlib.suppress(Exception):
+        return torch.empty(()).device
+    return torch.device("cpu")
