@@ -343,6 +343,25 @@ def _exit_now_if_abandoned(code: int) -> int:
     os._exit(code)
 
 
+def _result_of(future: Any, pool: Any, poll_s: float = 0.5) -> Any:
+    """``future.result()``, or ``BrokenProcessPool`` as soon as a worker of ``pool`` has died. The executor
+    notices a dead worker by itself only between messages: one killed while writing a result leaves half a
+    message in the pool's pipe, and the executor's manager thread waits in ``recv`` for the rest, forever,
+    with this future never done (seen in the test suite under load: a SIGKILLed worker hung the command).
+    The workers live until the pool shuts down, so any exit code means one died."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+    from concurrent.futures.process import BrokenProcessPool
+
+    while True:
+        try:
+            return future.result(timeout=poll_s)
+        except FutureTimeout:
+            dead = [p.exitcode for p in list((getattr(pool, "_processes", None) or {}).values())
+                    if p.exitcode is not None]
+            if dead:
+                raise BrokenProcessPool(f"a worker died (exit code {dead[0]})") from None
+
+
 def _results(tasks: list[Task], workers: int, initargs: tuple, context: Any = None):
     """(ids, documents, text bytes, task) per task, in task order."""
     if workers <= 1:  # in this process (no start-up cost), one tokenizer thread as in a worker
@@ -367,7 +386,7 @@ def _results(tasks: list[Task], workers: int, initargs: tuple, context: Any = No
                 break
         while window:
             future, task = window.popleft()
-            yield (*future.result(), task)
+            yield (*_result_of(future, pool), task)
             nxt = next(it, None)
             if nxt is not None:
                 window.append((pool.submit(_encode_task, nxt), nxt))
