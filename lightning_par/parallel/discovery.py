@@ -97,7 +97,9 @@ def resolve_plan(module: nn.Module) -> ResolvedPlan:
     resolved = _resolve(module)
     if find_hf_model(module) is None:
         return resolved
-    return replace(resolved, plan=replace(resolved.plan, stage_runner=hf_stage_runner, install_experts=install_hf_experts))
+    plan = resolved.plan  # a model's own declared seams, if any, win
+    return replace(resolved, plan=replace(plan, stage_runner=plan.stage_runner or hf_stage_runner,
+                                          install_experts=plan.install_experts or install_hf_experts))
 
 
 def _resolve(module: nn.Module) -> ResolvedPlan:

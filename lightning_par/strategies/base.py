@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -53,9 +53,6 @@ from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 # LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
 # call submodules directly instead of ``self(...)``
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-
-if TYPE_CHECKING:
-    from lightning_par.strategies.launcher import ChildEntry
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -109,8 +106,8 @@ def has_batchnorm(module: nn.Module) -> bool:
 class ParStrategyMixin:
     """Mixed into a Lightning ``Strategy`` subclass (it must come first in the bases)."""
 
-    #: set by run.py: how ranks 1..N-1 start (``launcher.ChildEntry``; None: Lightning's script re-run)
-    child_command: ChildEntry | Sequence[str] | None = None
+    #: set by run.py: the command that starts ranks 1..N-1 (None: Lightning's script re-run)
+    child_command: Sequence[str] | None = None
     child_cwd: str | None = None
     #: True when the strategy keeps model states in host memory (the memory callback reads it)
     cpu_offload: bool = False

@@ -6,11 +6,7 @@ strategy=single,ddp``), so every child would re-run the sweep (Lightning #15737)
 keeps Lightning's machinery (environment variables, process observer, thread limits) and only
 replaces the children's command when one is given: ``run.py`` hands over a command that starts
 ``python -m lightning_par.run.child <resolved config>`` -- the child trains exactly this job's config,
-in this job's output directory, with no Hydra sweep at all. On Linux that entry is not a fresh
-interpreter: the ranks are forked from a fork server (``multiprocessing``'s ``forkserver``, one per
-launching process) that imported the entry's modules -- torch, Lightning, lightning_par -- once, so
-a rank starts in a fraction of a second instead of re-importing them (5-7 s of CPU each on the test
-machine), and every job of a sweep after the first starts its ranks at once. Without a command (a user's own
+in this job's output directory, with no Hydra sweep at all. Without a command (a user's own
 script), the children are Lightning's re-runs of the script: they live until the script ends, so
 several ``fit``/``test`` calls in one script share them, as with Lightning's own launcher.
 
@@ -36,10 +32,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
@@ -148,129 +142,11 @@ class _JobObserver(_ChildProcessObserver):
         self._retired.set()
 
 
-@dataclass(frozen=True)
-class ChildEntry:
-    """How ranks 1..N-1 of a job start: ``module.main(argv)`` (``python -m module *argv``)."""
-
-    module: str
-    argv: tuple[str, ...]
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", self.module, *self.argv]
-
-
-class _ForkedRank:
-    """A rank forked from the fork server, with the part of ``subprocess.Popen``'s interface that this
-    launcher and Lightning's observer use (``pid``, ``poll``, ``returncode``, ``wait``, ``kill``,
-    ``send_signal``); an exit by signal reads as ``-signal``, as Popen's."""
-
-    def __init__(self, process: Any) -> None:
-        self._process = process
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
-        return self._process.exitcode
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-class _InheritedFd:
-    """A file descriptor of this process handed to a forked rank (sent to the fork server with the rank's
-    arguments, as ``multiprocessing`` sends a pipe); in the rank, the descriptor's number there."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple:
-        from multiprocessing import reduction
-
-        return _received_fd, (reduction.DupFd(self.fd),)
-
-
-def _received_fd(dup: Any) -> int:
-    return dup.detach()
-
-
-def _run_forked(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout: int, stderr: int) -> None:
-    """A forked rank's first code: the launching process's output, this rank's environment and directory,
-    then the entry's ``main``."""
-    import importlib
-
-    _die_with_parent()  # the fork server's death (it follows the launching process's) ends this rank
-    for fd, target in ((stdout, 1), (stderr, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    if cwd:
-        os.chdir(cwd)
-    importlib.import_module(entry.module).main(list(entry.argv))
-
-
-def _fork_context(entry: ChildEntry) -> Any:
-    """The fork server's context, its modules preloaded; None where there is none (not Linux/macOS), and
-    the ranks are then fresh interpreters. The server starts once per launching process, with this
-    process's environment, so torch's C++ log level is set for it as for a rank started as a command (it
-    is read when torch loads). It gets no handle on this process's output (its ranks get theirs with
-    their arguments): a reader of that output -- a shell's pipe, a test -- sees its end when the job's
-    processes have ended, not when the server's interpreter has finished exiting after them."""
-    import multiprocessing as mp
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return None
-    ctx = mp.get_context("forkserver")
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver  # noqa: SLF001 -- whether it already runs (preload only applies at start)
-    if getattr(server, "_forkserver_pid", None) is None:
-        ctx.set_forkserver_preload([entry.module, "lightning_par.run.train"])
-        level = os.environ.get("TORCH_CPP_LOG_LEVEL")
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        devnull, saved = os.open(os.devnull, os.O_RDWR), (os.dup(1), os.dup(2))
-        try:
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
-            server.ensure_running()
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in (devnull, *saved):
-                os.close(fd)
-            if level is None:
-                del os.environ["TORCH_CPP_LOG_LEVEL"]
-    return ctx
-
-
 class ChildCommandLauncher(_SubprocessScriptLauncher):
     def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
-                 child_command: ChildEntry | Sequence[str] | None = None, child_cwd: str | None = None) -> None:
+                 child_command: Sequence[str] | None = None, child_cwd: str | None = None) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
-        #: a ChildEntry (forked from the fork server where there is one), or a command started as it is
-        self.child_command = child_command if child_command is None or isinstance(child_command, ChildEntry) \
-            else list(child_command)
+        self.child_command = list(child_command) if child_command else None
         self.child_cwd = child_cwd
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -366,9 +242,6 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(env.node_rank())
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
-        entry = self.child_command if isinstance(self.child_command, ChildEntry) else None
-        ctx = _fork_context(entry) if entry is not None else None
-        command = entry.command() if entry is not None else self.child_command
         for local_rank in range(1, self.num_processes):
             child_env = os.environ.copy()
             child_env["LOCAL_RANK"] = str(local_rank)
@@ -376,16 +249,8 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
             # torch's C++ warnings carry a native stack of ~50 lines; a child's are of a peer gone (rank 0
             # stopped or failed, and reports why in one line): errors only, unless the user set a level
             child_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-            if ctx is None:
-                self.procs.append(subprocess.Popen(command, env=child_env, cwd=self.child_cwd,
-                                                   preexec_fn=_die_with_parent))
-                continue
-            # not daemonic: a rank may start processes of its own (DataLoader workers)
-            process = ctx.Process(target=_run_forked, args=(entry, child_env, self.child_cwd, _InheritedFd(1),
-                                                            _InheritedFd(2)),
-                                  name=f"rank{local_rank}", daemon=False)
-            process.start()
-            self.procs.append(_ForkedRank(process))
+            self.procs.append(subprocess.Popen(self.child_command, env=child_env, cwd=self.child_cwd,
+                                               preexec_fn=_die_with_parent))
         return None
 
 
