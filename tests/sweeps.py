@@ -68,7 +68,7 @@ def sweep_dir(*args: str, timeout: float = 900) -> Path:
     with FileLock(str(shared / f"{name}.lock")):  # the other worker waits here while this one runs it
         if not done.exists() and not failed.exists():
             rc = _run_group([sys.executable, str(ROOT / "run.py"), "-m", *QUICK, *args, f"hydra.sweep.dir={out}"],
-                            log, timeout + 60)  # a lock waiter's own timeout is the test's
+                            log, timeout)
             (done if rc == 0 else failed).write_text(str(rc))
         if failed.exists():
             rc = int(failed.read_text())
