@@ -3,21 +3,71 @@ first attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), as a crashe
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+from pathlib import Path
 
 import lightning as L
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux ``/proc``): children, theirs, and so on."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # the task ended meanwhile
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 class KillRankAt(L.Callback):
-    def __init__(self, step: int, rank: int = 1) -> None:
+    """With ``record``: before the kill, the rank's descendants' pids go to that file (JSON), so a test
+    can see that none outlives it, however they were started. With ``others_pause_s``: the other ranks
+    sleep that long at the same step, outside any collective, so that only the killed rank's death (not a
+    failed collective) can end them sooner."""
+
+    def __init__(self, step: int, rank: int = 1, record: str | None = None, others_pause_s: float = 0.0) -> None:
         self.step = step
         self.rank = rank
+        self.record = record
+        self.others_pause_s = others_pause_s
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.global_rank != self.rank and trainer.global_step == self.step:
+            import time
+
+            time.sleep(self.others_pause_s)
         if first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if self.record:
+                Path(self.record).write_text(json.dumps(descendants(os.getpid())))
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordRankState(L.Callback):
+    """What a rank inherited at its start, recorded when its callbacks are built (before the Trainer):
+    Lightning's rank-zero state, SIGTERM's disposition, multiprocessing's start method, whether it was
+    forked by multiprocessing; written to ``<run dir>/rank-state-<rank>.json`` at setup."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        self.state = {"env_rank": int(os.environ.get("RANK", "0")), "rank_zero_only": rank_zero_only.rank,
+                      "sigterm": str(signal.getsignal(signal.SIGTERM)),
+                      "start_method": multiprocessing.get_start_method(),
+                      "forked": multiprocessing.parent_process() is not None}
+
+    def setup(self, trainer: L.Trainer, *args: object, **kwargs: object) -> None:
+        path = Path(trainer.default_root_dir) / f"rank-state-{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.state))
 
 
 class RaiseAt(L.Callback):
@@ -106,3 +156,12 @@ class FullDiskFrom(L.Callback):
 
         filesystem.FileSystem.create_stream = create_stream
         self._patched = True
+
+
+def main(argv: list[str]) -> None:
+    """``python -m tests.fault CODE``: exit with CODE at once; ``sleep``: sleep a minute (a rank to kill)."""
+    import time
+
+    if argv[0] == "sleep":
+        time.sleep(60)
+    os._exit(int(argv[0]))

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -33,7 +34,7 @@ from lightning_par.callbacks.summary import json_safe
 from lightning_par.data import TextDataModule
 from lightning_par.core.jobs import LOCK_FILE, RunDirInUse, RunDirLock
 from lightning_par.run.train import _write_child_config, latest_checkpoint
-from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
+from tests.helpers import QUICK, ROOT, assert_losses_match, composed, run_cli
 
 DDP2 = [*QUICK, "strategy=ddp", "trainer.devices=2"]
 
@@ -57,7 +58,8 @@ def killed_rank_sweep(tmp_path_factory):
     sweep = tmp_path_factory.mktemp("sweep")
     start = time.monotonic()
     proc = run_cli(["-m", *DDP2, "+callbacks.fault._target_=tests.fault.KillRankAt", "+callbacks.fault.step=7,1000",
-                    "+callbacks.fault.rank=1", f"hydra.sweep.dir={sweep}"], sweep, timeout=240, check=False)
+                    "+callbacks.fault.rank=1", "+callbacks.probe._target_=tests.fault.RecordRankState",
+                    f"hydra.sweep.dir={sweep}"], sweep, timeout=240, check=False)
     return proc, sweep, time.monotonic() - start
 
 
@@ -77,17 +79,53 @@ def test_dead_rank_fails_only_its_job(killed_rank_sweep):
     assert len(list((sweep / "0" / ".hydra").glob("resolved-*.yaml"))) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks fork from a fork server on Linux")
+def test_a_forked_rank_starts_as_a_started_one_would(killed_rank_sweep):
+    """Rank 1 of a CPU job is forked from the launcher's fork server (strategies/fork_ranks.py), yet it
+    begins as a fresh rank would: Lightning's rank-zero state is its own rank (the server imported Lightning
+    as rank 0), SIGTERM is not ignored (the server ignores it), and multiprocessing's start method is rank
+    0's (the fork machinery set it to forkserver)."""
+    _, sweep, _ = killed_rank_sweep
+    for job in ("0", "1"):  # the second job's rank 1 is forked from the same server
+        states = {r: json.loads((sweep / job / f"rank-state-{r}.json").read_text()) for r in (0, 1)}
+        assert states[1]["forked"] and not states[0]["forked"], states
+        for rank, state in states.items():
+            assert state["env_rank"] == state["rank_zero_only"] == rank, states
+            assert state["sigterm"] == str(signal.SIG_DFL), states
+        assert states[1]["start_method"] == states[0]["start_method"] == "fork", states
+
+
+class _SetupFails(L.Callback):
+    def setup(self, *args: object, **kwargs: object) -> None:
+        raise ValueError("this callback's setup failed")
+
+
+def test_a_failure_before_the_model_is_materialised_is_the_error_reported(tmp_path):
+    """A callback's setup raises while the model is still on the meta device: the run's error is the
+    callback's, not the teardown's "Cannot copy out of meta tensor" (which error.json used to name)."""
+    from lightning_par.run.train import train
+
+    cfg = composed("experiment=quick", "trainer.max_steps=1", "trainer.enable_progress_bar=false",
+                   "+callbacks.fails._target_=tests.test_faults._SetupFails", tmp=tmp_path)
+    with pytest.raises(ValueError, match="this callback's setup failed"):
+        train(cfg)
+
+
 # ------------------------------------------------------------------------------------------- SIGTERM
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_stops_all_ranks_with_checkpoint_and_resumes(tmp_path, killed_rank_sweep):
+    """SIGTERM to the run's whole process group, as a scheduler sends it: every rank stops at one agreed
+    step (the fork server, in that group, ignores it: its death would kill the ranks before the stop)."""
     run_dir, marker = tmp_path / "run", tmp_path / "paused"
     args = [*DDP2, "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=4", "ckpt_path=auto"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}",
            "+callbacks.pause._target_=tests.fault.PauseAt", "+callbacks.pause.step=5",
            f"+callbacks.pause.marker={marker}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -95,7 +133,7 @@ def test_sigterm_stops_all_ranks_with_checkpoint_and_resumes(tmp_path, killed_ra
         assert marker.exists(), f"the run never reached step 5 (rc {proc.poll()})"
         assert int(marker.read_text()) == proc.pid  # rank 0 is the process we signal
         sent = time.monotonic()
-        os.kill(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - sent
     finally:
@@ -469,12 +507,17 @@ def test_a_main_process_killed_mid_job_leaves_error_json(tmp_path, ended):
 @pytest.mark.timeout(300)
 def test_rank_0_killed_by_the_kernel_is_recorded(tmp_path):
     """Rank 0 of a 2-rank run SIGKILLed at step 3 (as the OOM killer would): the job's error.json says
-    so, no summary, and rank 1 does not outlive it."""
-    run_dir = tmp_path / "run"
+    so, no summary, and none of its descendants (rank 1, the fork server it came from) outlives it -- rank 1,
+    asleep outside any collective at that step, ends with rank 0, not when it next reaches a collective."""
+    run_dir, record = tmp_path / "run", tmp_path / "descendants.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     cmd = [sys.executable, str(ROOT / "run.py"), *DDP2, "+callbacks.fault._target_=tests.fault.KillRankAt",
-           "+callbacks.fault.step=3", "+callbacks.fault.rank=0", f"hydra.run.dir={run_dir}"]
+           "+callbacks.fault.step=3", "+callbacks.fault.rank=0", f"+callbacks.fault.record={record}",
+           "+callbacks.fault.others_pause_s=120",
+           f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    # the output's pipes close when the last process holding them (rank 1, asleep) has ended
+    assert time.time() - record.stat().st_mtime < 30, "rank 1 outlived rank 0 by more than 30 s"
     assert proc.returncode == -signal.SIGKILL, (proc.stdout + proc.stderr)[-3000:]
     deadline = time.monotonic() + 20
     while not (run_dir / "error.json").exists() and time.monotonic() < deadline:
@@ -483,5 +526,9 @@ def test_rank_0_killed_by_the_kernel_is_recorded(tmp_path):
     assert err["type"] == "Killed" and "rank 0 (the main process" in err["error"] and "sent by a person or a scheduler" in err["error"]
     assert "trainer.devices=2" in err["overrides"], err
     assert not (run_dir / "summary.json").exists()
-    out = subprocess.run(["pgrep", "-f", f"lightning_par.run.child.*{run_dir}"], capture_output=True, text=True)
-    assert out.stdout.strip() == "", f"rank 1 outlived rank 0: {out.stdout}"
+    left = json.loads(record.read_text())
+    assert left, "rank 0 had no descendants: rank 1 was not among them"
+    deadline = time.monotonic() + 20
+    while (alive := [p for p in left if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"outlived rank 0: {[Path(f'/proc/{p}/cmdline').read_bytes()[:200] for p in alive]}"

@@ -49,6 +49,7 @@ from lightning_par.parallel.hf.from_pretrained import transformers_from_pretrain
 from lightning_par.parallel.sharding.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_par.parallel.memory.tiling import check_tiling
 from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
+from lightning_par.strategies.fork_ranks import ChildEntry
 
 # LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
 # call submodules directly instead of ``self(...)``
@@ -106,8 +107,9 @@ def has_batchnorm(module: nn.Module) -> bool:
 class ParStrategyMixin:
     """Mixed into a Lightning ``Strategy`` subclass (it must come first in the bases)."""
 
-    #: set by run.py: the command that starts ranks 1..N-1 (None: Lightning's script re-run)
-    child_command: Sequence[str] | None = None
+    #: set by run.py: how ranks 1..N-1 start, a ``fork_ranks.ChildEntry`` (forked) or a command (started);
+    #: None: Lightning's re-run of the script
+    child_command: ChildEntry | Sequence[str] | None = None
     child_cwd: str | None = None
     #: True when the strategy keeps model states in host memory (the memory callback reads it)
     cpu_offload: bool = False
@@ -193,6 +195,19 @@ class ParStrategyMixin:
     @property
     def mesh_sizes(self) -> dict[str, int]:
         return self.parallel_dims.sizes()
+
+    def teardown(self) -> None:
+        """Lightning's teardown, except that a model still on the meta device -- a failure before it was
+        materialised (a callback's or the model's ``setup``) -- is not moved to the CPU: that move fails
+        ("Cannot copy out of meta tensor"), and its error would replace the run's own in error.json."""
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return super().teardown()
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     # ------------------------------------------------------------------------- launcher
     def _make_launcher(self) -> _SubprocessScriptLauncher:

@@ -6,7 +6,9 @@ strategy=single,ddp``), so every child would re-run the sweep (Lightning #15737)
 keeps Lightning's machinery (environment variables, process observer, thread limits) and only
 replaces the children's command when one is given: ``run.py`` hands over a command that starts
 ``python -m lightning_par.run.child <resolved config>`` -- the child trains exactly this job's config,
-in this job's output directory, with no Hydra sweep at all. Without a command (a user's own
+in this job's output directory, with no Hydra sweep at all. For a CPU job the ranks are not fresh
+interpreters but forks of a server that imported those modules once (``fork_ranks.py``: a rank starts in a
+fraction of a second instead of 4-8 s of imports). Without a command (a user's own
 script), the children are Lightning's re-runs of the script: they live until the script ends, so
 several ``fit``/``test`` calls in one script share them, as with Lightning's own launcher.
 
@@ -40,6 +42,8 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lightning_par.strategies.fork_ranks import ChildEntry, die_with_parent, fork_context, fork_rank
 
 # seconds the children get to finish after rank 0's work returned, after an error every rank raised
 # alike, and after rank 0 failed on its own (they wait in a collective for it: NCCL's is aborted; gloo's
@@ -144,9 +148,11 @@ class _JobObserver(_ChildProcessObserver):
 
 class ChildCommandLauncher(_SubprocessScriptLauncher):
     def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
-                 child_command: Sequence[str] | None = None, child_cwd: str | None = None) -> None:
+                 child_command: ChildEntry | Sequence[str] | None = None, child_cwd: str | None = None) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
-        self.child_command = list(child_command) if child_command else None
+        #: a ChildEntry (forked from the fork server where the platform has one), or a command started as it is
+        self.child_command = child_command if child_command is None or isinstance(child_command, ChildEntry) \
+            else list(child_command)
         self.child_cwd = child_cwd
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -242,15 +248,29 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(env.node_rank())
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
-        for local_rank in range(1, self.num_processes):
-            child_env = os.environ.copy()
-            child_env["LOCAL_RANK"] = str(local_rank)
-            child_env["RANK"] = str(env.node_rank() * self.num_processes + local_rank)  # for error.json's rank
-            # torch's C++ warnings carry a native stack of ~50 lines; a child's are of a peer gone (rank 0
-            # stopped or failed, and reports why in one line): errors only, unless the user set a level
-            child_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-            self.procs.append(subprocess.Popen(self.child_command, env=child_env, cwd=self.child_cwd,
-                                               preexec_fn=_die_with_parent))
+        entry = self.child_command if isinstance(self.child_command, ChildEntry) else None
+        ctx = fork_context(entry) if entry is not None else None
+        command = entry.command() if entry is not None else self.child_command
+        try:
+            for local_rank in range(1, self.num_processes):
+                child_env = os.environ.copy()
+                child_env["LOCAL_RANK"] = str(local_rank)
+                child_env["RANK"] = str(env.node_rank() * self.num_processes + local_rank)  # for error.json's rank
+                # torch's C++ warnings carry a native stack of ~50 lines; a child's are of a peer gone (rank 0
+                # stopped or failed, and reports why in one line): errors only, unless the user set a level
+                child_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+                if ctx is not None:
+                    self.procs.append(fork_rank(ctx, entry, child_env, self.child_cwd, f"rank{local_rank}"))
+                else:
+                    self.procs.append(subprocess.Popen(command, env=child_env, cwd=self.child_cwd,
+                                                       preexec_fn=die_with_parent))
+        except BaseException:
+            # a rank that could not start (no memory, no process slots, the server gone): the ranks already
+            # started would wait in the rendezvous for it until its timeout
+            for proc in self.procs:
+                proc.kill()
+                proc.wait()
+            raise
         return None
 
 
@@ -277,16 +297,4 @@ def _abort_process_group() -> None:
 
         _abort_process_group()
     except Exception:  # noqa: BLE001 -- an older torch without it: the reap's grace period still ends them
-        pass
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec (Linux): SIGKILL this process when the launching process dies, so a
-    job whose main rank was killed outright (SIGKILL, the OOM killer, SIGTERM before training started)
-    leaves no ranks waiting in a collective until the 30-minute timeout."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the observer and reaper still cover the usual paths
         pass

@@ -1,0 +1,212 @@
+"""Ranks 1..N-1 of a CPU job forked from a preloaded fork server instead of started as fresh interpreters.
+
+A rank started as ``python -m lightning_par.run.child CONFIG`` imports torch, Lightning, transformers and
+lightning_par again: 4-8 s of CPU each, which on a small machine is most of a short run (and of the test
+suite). ``multiprocessing``'s ``forkserver`` start method keeps a server process per launching process
+that imported those modules once; each rank is a fork of it, started in a fraction of a second, and every
+job of a sweep after the first starts its ranks at once.
+
+A fork carries the server's state, not a fresh interpreter's. What a rank must not keep, and where it
+is undone (``_enter_rank``):
+
+- the environment, working directory and ``sys.argv``: the rank's own are applied, as a command's would be;
+- Lightning's rank-zero state: ``rank_zero_only.rank`` was set from the environment when the server
+  imported Lightning (rank 0 there), so rank 1 would log and write as rank 0 until the Trainer set it;
+- the server ignores SIGTERM (below): the rank's SIGTERM is reset to the default, so that our run guard
+  (or death) follows a scheduler's signal as it would in a command;
+- ``multiprocessing``'s start method, which the spawn machinery set to ``forkserver`` in the rank: reset to
+  the platform's default, so a rank's DataLoader workers start as a command's would;
+- the launching process's "alive" pipe to the server, which ``multiprocessing`` hands to every child (so it
+  could fork siblings): while any rank held it the server would outlive a SIGKILLed launcher, and with it
+  the ranks, which die with the server (``PR_SET_PDEATHSIG``). Closed.
+
+The server itself ignores SIGTERM (set at its import of this module, ``_SERVER_ENV``): a scheduler's
+SIGTERM to the whole process group must reach the ranks, which stop together at an agreed step, and not
+kill the server, whose death would kill every rank before that stop. It ends when the launching process
+ends (its alive pipe closes). SIGINT it ignores already (``multiprocessing``'s own choice).
+
+The server starts with the launching process's environment at its first job, so what torch reads when it
+loads (``TORCH_CPP_LOG_LEVEL``) is fixed for the process's jobs; each rank's environment is its own.
+Only CPU jobs fork (``launcher.ChildCommandLauncher``): forking is safe on a GPU machine only while nothing
+in the server touched CUDA, which no GPU here has verified, so CUDA jobs start their ranks as commands.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+#: set in the launching process's environment while it starts the server: the server, importing this
+#: module as a preload, ignores SIGTERM (module docstring)
+_SERVER_ENV = "_LIGHTNING_PAR_FORK_SERVER"
+
+if os.environ.get(_SERVER_ENV) == "1":
+    del os.environ[_SERVER_ENV]
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@dataclass(frozen=True)
+class ChildEntry:
+    """How ranks 1..N-1 of a job start: ``module.main(argv)``, as ``python -m module *argv`` would."""
+
+    module: str
+    argv: tuple[str, ...]
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.module, *self.argv]
+
+
+class ForkedRank:
+    """A rank forked from the fork server, with the part of ``subprocess.Popen``'s interface that the
+    launcher and Lightning's observer use (``pid``, ``poll``, ``returncode``, ``wait``, ``kill``,
+    ``send_signal``); an exit by a signal reads as ``-signal``, as Popen's. ``poll`` is called from the
+    observer's thread and the main thread: ``multiprocessing`` reads the exit code from a pipe once, and a
+    second reader at the same moment would read 255, so the first code read is kept under a lock."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self._lock = threading.Lock()
+        self._code: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self._code is None:
+                self._code = self._process.exitcode
+            return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)  # join only waits on the pipe; the code is read by poll
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class _InheritedFd:
+    """A file descriptor of the launching process handed to a forked rank (sent to the server with the
+    rank's arguments, as ``multiprocessing`` sends a pipe); in the rank, the descriptor's number there."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout: int, stderr: int) -> None:
+    """A forked rank's first code: undo what the fork carried over from the server (module docstring),
+    then run the entry's ``main``."""
+    import importlib
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    die_with_parent()  # the server's death (it follows the launching process's) ends this rank
+    alive = forkserver._forkserver._forkserver_alive_fd  # noqa: SLF001 -- multiprocessing has no API to drop it
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None  # noqa: SLF001
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    rank_zero_only.rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
+    sys.argv = [entry.module, *entry.argv]
+    importlib.import_module(entry.module).main(list(entry.argv))
+
+
+def fork_context(entry: ChildEntry) -> Any:
+    """The fork server's context, its modules preloaded; None where the platform has none (the ranks are
+    then started as commands). The server starts once per launching process and gets no handle on this
+    process's output (its ranks get theirs with their arguments): a reader of that output -- a shell's
+    pipe, a test -- sees its end when the job's processes have ended, not when the server has."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return None
+    ctx = mp.get_context("forkserver")
+    server = forkserver._forkserver  # noqa: SLF001 -- whether it runs already (the preload applies at its start)
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return ctx
+    ctx.set_forkserver_preload([__name__, entry.module, "lightning_par.run.train"])
+    saved_env = {k: os.environ.get(k) for k in ("TORCH_CPP_LOG_LEVEL", _SERVER_ENV)}
+    # torch's C++ warnings carry a native stack of ~50 lines; a rank's are of a peer gone (rank 0 stopped
+    # or failed, and says why in one line): errors only, unless the user set a level
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ[_SERVER_ENV] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull, saved = os.open(os.devnull, os.O_RDWR), (os.dup(1), os.dup(2))
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        server.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (devnull, *saved):
+            os.close(fd)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return ctx
+
+
+def fork_rank(ctx: Any, entry: ChildEntry, env: dict[str, str], cwd: str | None, name: str) -> ForkedRank:
+    """Start one rank from the server with its own environment and directory and this process's output."""
+    # not daemonic: a rank may start processes of its own (DataLoader workers)
+    process = ctx.Process(target=_enter_rank, args=(entry, env, cwd, _InheritedFd(1), _InheritedFd(2)),
+                          name=name, daemon=False)
+    process.start()
+    return ForkedRank(process)
+
+
+def die_with_parent() -> None:
+    """In a rank, before exec or as a forked rank's first act (Linux): SIGKILL this process when its parent
+    (the launching process, or the fork server that follows it) dies, so a
+    job whose main rank was killed outright (SIGKILL, the OOM killer, SIGTERM before training started)
+    leaves no ranks waiting in a collective until the 30-minute timeout."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the observer and reaper still cover the usual paths
+        pass
