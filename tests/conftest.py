@@ -6,14 +6,28 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+#: torch.distributed's launch variables: a test that leaves one set in its worker makes every later run started
+#: from that worker (a script, run.py) believe it is one rank of a job started externally, and wait for peers
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
 @pytest.fixture(autouse=True)
 def _single_thread_and_clean_pg():
     torch.set_num_threads(1)
+    launch_env = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    left = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    if left != launch_env:
+        for k, v in launch_env.items():  # restored, so that the tests after it run as they should
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        pytest.fail(f"the test changed torch.distributed's launch variables in this process: {launch_env} -> {left}")
 
 
 # The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject.toml): a run of

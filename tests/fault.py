@@ -62,6 +62,7 @@ class RecordRankState(L.Callback):
 
         self.state = {"env_rank": int(os.environ.get("RANK", "0")), "rank_zero_only": rank_zero_only.rank,
                       "sigterm": str(signal.getsignal(signal.SIGTERM)),
+                      "sigterm_blocked": signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []),
                       "start_method": multiprocessing.get_start_method(),
                       "forked": multiprocessing.parent_process() is not None}
 

@@ -84,15 +84,15 @@ def test_dead_rank_fails_only_its_job(killed_rank_sweep):
 def test_a_forked_rank_starts_as_a_started_one_would(killed_rank_sweep):
     """Rank 1 of a CPU job is forked from the launcher's fork server (strategies/fork_ranks.py), yet it
     begins as a fresh rank would: Lightning's rank-zero state is its own rank (the server imported Lightning
-    as rank 0), SIGTERM is not ignored (the server ignores it), and multiprocessing's start method is rank
-    0's (the fork machinery set it to forkserver)."""
+    as rank 0), SIGTERM is neither ignored nor blocked (the server blocks it), and multiprocessing's start
+    method is rank 0's (the fork machinery set it to forkserver)."""
     _, sweep, _ = killed_rank_sweep
     for job in ("0", "1"):  # the second job's rank 1 is forked from the same server
         states = {r: json.loads((sweep / job / f"rank-state-{r}.json").read_text()) for r in (0, 1)}
         assert states[1]["forked"] and not states[0]["forked"], states
         for rank, state in states.items():
             assert state["env_rank"] == state["rank_zero_only"] == rank, states
-            assert state["sigterm"] == str(signal.SIG_DFL), states
+            assert state["sigterm"] == str(signal.SIG_DFL) and not state["sigterm_blocked"], states
         assert states[1]["start_method"] == states[0]["start_method"] == "fork", states
 
 
@@ -117,7 +117,7 @@ def test_a_failure_before_the_model_is_materialised_is_the_error_reported(tmp_pa
 @pytest.mark.timeout(400)
 def test_sigterm_stops_all_ranks_with_checkpoint_and_resumes(tmp_path, killed_rank_sweep):
     """SIGTERM to the run's whole process group, as a scheduler sends it: every rank stops at one agreed
-    step (the fork server, in that group, ignores it: its death would kill the ranks before the stop)."""
+    step (the fork server, in that group, blocks it: its death would kill the ranks before the stop)."""
     run_dir, marker = tmp_path / "run", tmp_path / "paused"
     args = [*DDP2, "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=4", "ckpt_path=auto"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")

@@ -5,6 +5,7 @@ launcher and survives a SIGTERM to the process group, is shown by real runs in t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,33 @@ import pytest
 from lightning_par.strategies.fork_ranks import ChildEntry, fork_context, fork_rank
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks fork from a fork server on Linux")
+
+
+def _stop_server() -> None:
+    """Stop this process's fork server, whoever started it (tests/dist.py starts one in pytest workers)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(server._forkserver_pid, 0)
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_server():
+    """The module's tests start the launcher's server; the next module gets a fresh one of its own."""
+    _stop_server()
+    yield
+    _stop_server()
+
+
+def _status(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(ln for ln in f if ln.startswith(field + ":")).split()[1], 16)
 
 
 @pytest.mark.timeout(120)
@@ -54,8 +82,6 @@ def test_a_rank_that_cannot_start_ends_the_ranks_already_started(monkeypatch):
 
     from lightning_par.strategies import launcher
 
-    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)  # the launcher sets them in this process: restored after
     started: list[subprocess.Popen] = []
     real = subprocess.Popen
 
@@ -68,6 +94,36 @@ def test_a_rank_that_cannot_start_ends_the_ranks_already_started(monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "Popen", second_fails)
     starter = launcher.ChildCommandLauncher(LightningEnvironment(), num_processes=3, num_nodes=1,
                                             child_command=[sys.executable, "-c", "import time; time.sleep(60)"])
-    with pytest.raises(OSError, match="no process slots left"):
-        starter._call_children_scripts()
+    saved = dict(os.environ)  # the launcher sets MASTER_PORT, WORLD_SIZE, ... in this process
+    try:
+        with pytest.raises(OSError, match="no process slots left"):
+            starter._call_children_scripts()
+    finally:  # else every later run started from this worker believes it is a rank of a 3-process job
+        os.environ.clear()
+        os.environ.update(saved)
     assert started[0].poll() == -signal.SIGKILL
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_fork_server_is_started_again_as_the_first_was():
+    """The server killed (by a person, the OOM killer): the next job starts a new one -- blocking SIGTERM,
+    without this process's output -- and its ranks run. A fork server of other code is never used."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    entry = ChildEntry("tests.fault", ("0",))
+    ctx = fork_context(entry)
+    assert fork_rank(ctx, entry, dict(os.environ), None, "rank1").wait(30) == 0
+    old = forkserver._forkserver._forkserver_pid
+    os.kill(old, signal.SIGKILL)
+    os.waitpid(old, 0)  # dead and reaped (fork_context also finds a dead one not yet reaped)
+    ctx = fork_context(entry)
+    new = forkserver._forkserver._forkserver_pid
+    assert new not in (None, old)
+    assert fork_rank(ctx, entry, dict(os.environ), None, "rank1").wait(30) == 0
+    assert _status(new, "SigBlk") & (1 << (signal.SIGTERM - 1)), "the new server does not block SIGTERM"
+
+    _stop_server()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["os"])
+    forkserver.ensure_running()  # as tools/prepare.py or tests/dist.py start one for their own workers
+    assert fork_context(entry) is None  # not ours: ranks start as commands

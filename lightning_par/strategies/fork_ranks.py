@@ -12,23 +12,30 @@ is undone (``_enter_rank``):
 - the environment, working directory and ``sys.argv``: the rank's own are applied, as a command's would be;
 - Lightning's rank-zero state: ``rank_zero_only.rank`` was set from the environment when the server
   imported Lightning (rank 0 there), so rank 1 would log and write as rank 0 until the Trainer set it;
-- the server ignores SIGTERM (below): the rank's SIGTERM is reset to the default, so that our run guard
-  (or death) follows a scheduler's signal as it would in a command;
+- the server blocks SIGTERM (below): the rank unblocks it, so that our run guard (or death) follows a
+  scheduler's signal as it would in a command (one sent in between is delivered then);
 - ``multiprocessing``'s start method, which the spawn machinery set to ``forkserver`` in the rank: reset to
   the platform's default, so a rank's DataLoader workers start as a command's would;
 - the launching process's "alive" pipe to the server, which ``multiprocessing`` hands to every child (so it
   could fork siblings): while any rank held it the server would outlive a SIGKILLed launcher, and with it
   the ranks, which die with the server (``PR_SET_PDEATHSIG``). Closed.
 
-The server itself ignores SIGTERM (set at its import of this module, ``_SERVER_ENV``): a scheduler's
-SIGTERM to the whole process group must reach the ranks, which stop together at an agreed step, and not
-kill the server, whose death would kill every rank before that stop. It ends when the launching process
-ends (its alive pipe closes). SIGINT it ignores already (``multiprocessing``'s own choice).
+The server itself blocks SIGTERM (``fork_server.py``, its first preload): a scheduler's SIGTERM to the
+whole process group must reach the ranks, which stop together at an agreed step, and not kill the server,
+whose death would kill every rank before that stop. It ends when the launching process ends (its alive
+pipe closes). SIGINT it ignores already (``multiprocessing``'s own choice).
+
+As with any ``multiprocessing`` start other than fork, each rank imports the launching script's
+``__main__`` module again (as ``__mp_main__``): a script that calls ``train()`` must guard its entry with
+``if __name__ == "__main__"`` (run.py and the console scripts do). A rank's stdin is /dev/null.
 
 The server starts with the launching process's environment at its first job, so what torch reads when it
-loads (``TORCH_CPP_LOG_LEVEL``) is fixed for the process's jobs; each rank's environment is its own.
-Only CPU jobs fork (``launcher.ChildCommandLauncher``): forking is safe on a GPU machine only while nothing
-in the server touched CUDA, which no GPU here has verified, so CUDA jobs start their ranks as commands.
+loads (``TORCH_CPP_LOG_LEVEL``) is fixed for the process's jobs; each rank's environment is its own. One
+fork server runs per process (``multiprocessing``'s): where one that this module did not start already runs
+(started by other code for its own workers, with other preloads and signal handling), ranks start as
+commands. Only CPU jobs on Linux fork (``launcher.ChildCommandLauncher``; ``PR_SET_PDEATHSIG``, which ends
+the ranks with their launcher, is Linux's): forking is safe on a GPU machine only while nothing in the
+server touched CUDA, which no GPU here has verified, so CUDA jobs start their ranks as commands.
 """
 
 from __future__ import annotations
@@ -41,13 +48,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-#: set in the launching process's environment while it starts the server: the server, importing this
-#: module as a preload, ignores SIGTERM (module docstring)
-_SERVER_ENV = "_LIGHTNING_PAR_FORK_SERVER"
-
-if os.environ.get(_SERVER_ENV) == "1":
-    del os.environ[_SERVER_ENV]
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+#: the pid of the fork server this module started (None: none yet); a server of other code is not reused
+_ours: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,9 @@ class ForkedRank:
             return self._code
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)  # join only waits on the pipe; the code is read by poll
+        from multiprocessing.connection import wait
+
+        wait([self._process.sentinel], timeout)  # not join: it reads the exit code outside this lock
         code = self.poll()
         if code is None:
             raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout or 0.0)
@@ -122,7 +126,8 @@ def _received_fd(dup: Any) -> int:
     return dup.detach()
 
 
-def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout: int, stderr: int) -> None:
+def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout: int, stderr: int,
+                server_pid: int) -> None:
     """A forked rank's first code: undo what the fork carried over from the server (module docstring),
     then run the entry's ``main``."""
     import importlib
@@ -131,18 +136,23 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
 
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    die_with_parent()  # the server's death (it follows the launching process's) ends this rank
+    die_with_parent()  # the server's death (it follows the launching process's) ends this rank ...
+    if os.getppid() != server_pid:  # ... unless it died before that was set
+        os._exit(1)
     alive = forkserver._forkserver._forkserver_alive_fd  # noqa: SLF001 -- multiprocessing has no API to drop it
     if alive is not None:
         os.close(alive)
         forkserver._forkserver._forkserver_alive_fd = None  # noqa: SLF001
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent meanwhile is delivered now
     multiprocessing.set_start_method(None, force=True)  # the platform's default again
     for fd, target in ((stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    # the streams were made in the server, on /dev/null: buffered as a command's would be on this output
+    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=bool(env.get("PYTHONUNBUFFERED")))
     if cwd:
         os.chdir(cwd)
     rank_zero_only.rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
@@ -151,25 +161,34 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
 
 
 def fork_context(entry: ChildEntry) -> Any:
-    """The fork server's context, its modules preloaded; None where the platform has none (the ranks are
-    then started as commands). The server starts once per launching process and gets no handle on this
-    process's output (its ranks get theirs with their arguments): a reader of that output -- a shell's
-    pipe, a test -- sees its end when the job's processes have ended, not when the server has."""
+    """The fork server's context, its modules preloaded; None where ranks start as commands instead (not
+    Linux, or a fork server of other code runs in this process). The server starts once per launching
+    process (again if it died) and gets no handle on this process's output (its ranks get theirs with their
+    arguments): a reader of that output -- a shell's pipe, a test -- sees its end when the job's processes
+    have ended, not when the server has."""
     import multiprocessing as mp
     from multiprocessing import forkserver
 
-    if "forkserver" not in mp.get_all_start_methods():
+    global _ours
+    if not sys.platform.startswith("linux"):
         return None
     ctx = mp.get_context("forkserver")
     server = forkserver._forkserver  # noqa: SLF001 -- whether it runs already (the preload applies at its start)
-    if getattr(server, "_forkserver_pid", None) is not None:
-        return ctx
-    ctx.set_forkserver_preload([__name__, entry.module, "lightning_par.run.train"])
-    saved_env = {k: os.environ.get(k) for k in ("TORCH_CPP_LOG_LEVEL", _SERVER_ENV)}
-    # torch's C++ warnings carry a native stack of ~50 lines; a rank's are of a peer gone (rank 0 stopped
-    # or failed, and says why in one line): errors only, unless the user set a level
+    with server._lock:  # noqa: SLF001 -- multiprocessing's own, held while it reads or resets the server
+        pid = server._forkserver_pid  # noqa: SLF001
+        if pid is not None and pid != _ours:
+            return None
+        if pid is not None and _running(pid):
+            return ctx
+        if pid is not None:  # ours died (killed): forget it as multiprocessing would, and start a new one
+            os.close(server._forkserver_alive_fd)  # noqa: SLF001
+            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None  # noqa: SLF001
+    ctx.set_forkserver_preload(["lightning_par.strategies.fork_server", __name__, entry.module,
+                                "lightning_par.run.train"])
+    level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    # torch's C++ warnings carry a native stack of ~50 lines; a rank's are of a peer gone (rank 0 stopped or
+    # failed, and says why in one line): errors only, unless the user set a level
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ[_SERVER_ENV] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
     devnull, saved = os.open(os.devnull, os.O_RDWR), (os.dup(1), os.dup(2))
@@ -182,20 +201,35 @@ def fork_context(entry: ChildEntry) -> Any:
         os.dup2(saved[1], 2)
         for fd in (devnull, *saved):
             os.close(fd)
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if level is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+    _ours = server._forkserver_pid  # noqa: SLF001
     return ctx
+
+
+def _running(pid: int) -> bool:
+    """Whether our child ``pid`` still runs (a dead one is reaped here)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != pid
+    except ChildProcessError:
+        return False
 
 
 def fork_rank(ctx: Any, entry: ChildEntry, env: dict[str, str], cwd: str | None, name: str) -> ForkedRank:
     """Start one rank from the server with its own environment and directory and this process's output."""
+    import multiprocessing.process
+    from multiprocessing import forkserver
+
+    if fork_context(entry) is not ctx:  # the server died since (restarted here as ours) or is not ours
+        raise RuntimeError("the fork server of this process changed while ranks were starting")
+    server_pid = forkserver._forkserver._forkserver_pid  # noqa: SLF001
     # not daemonic: a rank may start processes of its own (DataLoader workers)
-    process = ctx.Process(target=_enter_rank, args=(entry, env, cwd, _InheritedFd(1), _InheritedFd(2)),
+    process = ctx.Process(target=_enter_rank, args=(entry, env, cwd, _InheritedFd(1), _InheritedFd(2), server_pid),
                           name=name, daemon=False)
     process.start()
+    # multiprocessing polls its children's exit codes whenever it starts a process (``_cleanup``, e.g. for a
+    # DataLoader worker of rank 0): the code is read from a pipe once, and ForkedRank reads it under a lock
+    multiprocessing.process._children.discard(process)  # noqa: SLF001
     return ForkedRank(process)
 
 
