@@ -35,14 +35,23 @@ CASES = {
     "checkpointing-fp32": (4, 64, 4, 256, 128, 4, "32-true", True, 0.0),
     "long-seq-checkpointing-bf16": (4, 32, 2, 512, 256, 2, "bf16-mixed", True, 0.0),
     "dropout-math-path-fp32": (2, 32, 2, 256, 128, 2, "32-true", False, 0.1),
+    # selective checkpointing (parallel/memory/checkpointing.py): matmul and fused-attention outputs kept
+    "selective-fp32": (4, 64, 4, 256, 128, 4, "32-true", "selective", 0.0),
+    "selective-long-seq-bf16": (4, 32, 2, 512, 256, 2, "bf16-mixed", "selective", 0.0),
+    "selective-math-path-fp32": (4, 32, 2, 256, 128, 2, "32-true", "selective", 0.1),
 }
 
 
-def measured_peak(shape: Shape, batch: int, precision: str, checkpointing: bool) -> int:
+def _mode(checkpointing: bool | str) -> str:
+    return "selective" if checkpointing == "selective" else "full"
+
+
+def measured_peak(shape: Shape, batch: int, precision: str, checkpointing: bool | str) -> int:
     torch.manual_seed(0)
     net = GPT(shape.gpt_config()).train()
     if checkpointing:
-        apply_activation_checkpointing(net, blocks=[f"blocks.{i}" for i in range(shape.n_layer)])
+        apply_activation_checkpointing(net, blocks=[f"blocks.{i}" for i in range(shape.n_layer)],
+                                       mode=_mode(checkpointing))
     return memtracker_step_peak(net, shape.vocab_size, batch, shape.seq_len, precision)
 
 
@@ -64,7 +73,7 @@ def test_the_cases_exercise_every_term():
     shapes = [Shape(L, h, a, V, T, dropout=d) for L, h, a, V, T, _, _, _, d in CASES.values()]
     assert any(s.seq_len > s.n_embd for s in shapes)
     assert any(8 * s.vocab_size > 16 * s.n_layer * s.n_embd for s in shapes)  # loss buffers > all layers
-    assert {c[6] for c in CASES.values()} == {"32-true", "bf16-mixed"} and {c[7] for c in CASES.values()} == {True, False}
+    assert {c[6] for c in CASES.values()} == {"32-true", "bf16-mixed"} and {c[7] for c in CASES.values()} == {True, False, "selective"}
     assert {attention_kernel(s, "cpu") for s in shapes} == {"fused", "math"}
 
 
@@ -83,7 +92,7 @@ def hf_shape(arch: str, L: int, h: int, a: int, kv: int, f: int, V: int, T: int,
     return Shape.of_hf(cfg, T)
 
 
-def hf_net(shape: Shape, checkpointing: bool = False) -> torch.nn.Module:
+def hf_net(shape: Shape, checkpointing: bool | str = False) -> torch.nn.Module:
     from lightning_par.models.hf.causal_lm import LogitsOnly, _transformers
     from lightning_par.parallel.hf.plan import hf_blocks
 
@@ -91,7 +100,7 @@ def hf_net(shape: Shape, checkpointing: bool = False) -> torch.nn.Module:
     cfg = shape.hf_config()
     net = LogitsOnly(_transformers().AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")).train()
     if checkpointing:
-        apply_activation_checkpointing(net, blocks=[f"net.{b}" for b in hf_blocks(net.net)])
+        apply_activation_checkpointing(net, blocks=[f"net.{b}" for b in hf_blocks(net.net)], mode=_mode(checkpointing))
     return net
 
 
@@ -103,6 +112,8 @@ HF_CASES = {
     "llama-checkpointing-fp32": ("llama", 4, 64, 4, 2, 128, 256, 128, False, 4, "32-true", True),
     "qwen2-bf16": ("qwen2", 2, 64, 4, 2, 128, 256, 64, True, 4, "bf16-mixed", False),
     "gpt2-tied-fp32": ("gpt2", 2, 64, 4, 4, 256, 256, 64, True, 4, "32-true", False),
+    "llama-selective-fp32": ("llama", 4, 64, 4, 2, 128, 256, 128, False, 4, "32-true", "selective"),
+    "gpt2-selective-bf16": ("gpt2", 4, 64, 4, 4, 256, 256, 128, True, 4, "bf16-mixed", "selective"),
 }
 
 

@@ -115,13 +115,58 @@ COLUMNS = ("mb x n", "peak", "host", "fits", "comm GB", "comm s", "step s", "MFU
 
 
 def _table(out: str) -> dict[str, dict[str, str]]:
-    """Candidate label -> its row's columns (``COLUMNS``, read from the end of the line)."""
+    """Candidate label -> its row's columns (``COLUMNS``, read from the end of the line) and ``ckpt``: the
+    row's activation checkpointing, ``full`` (marked ``+ckpt``), ``selective`` (``+sel``) or None."""
     rows = {}
     for ln in out.splitlines():
         cols = ln.split()
         if len(cols) > len(COLUMNS) and cols[-5] in ("yes", "NO"):
-            rows[" ".join(cols[:-len(COLUMNS)])] = dict(zip(COLUMNS, cols[-len(COLUMNS):]))
+            label = " ".join(cols[:-len(COLUMNS)])
+            ckpt = {"+ckpt": "full", "+sel": "selective"}.get(label.rsplit(" ", 1)[-1])
+            label = label.rsplit(" ", 1)[0] if ckpt else label
+            rows[label] = {**dict(zip(COLUMNS, cols[-len(COLUMNS):])), "ckpt": ckpt}
     return rows
+
+
+def _predicted_step_s(out: str) -> float:
+    (seconds,) = re.findall(r"predicts the shortest step: ([0-9.]+) s", out)
+    return float(seconds)
+
+
+def test_checkpointing_is_weighed_not_assumed():
+    """Issue 31: for a 1B Llama at 4 x 2048 tokens on one 139 GiB device the advisor used to checkpoint
+    although the plan fits without it (measured 22% slower checkpointed). Each plan is now priced without,
+    with selective and with full checkpointing; the fastest that fits wins, and the answer says why. Where
+    only checkpointing fits, the row is marked and the answer gives the peak without it.
+    ``--checkpointing`` (full) / ``--no-checkpointing`` fix it."""
+    llama = ["--model", "hf_llama_1b", "--devices-per-node", "1", "--device-memory", "139", "--seq-len", "2048",
+             "--micro-batch-size", "4", "--global-batch", "4"]
+    out = advisor(llama)
+    assert out.startswith("Recommended: single\n"), out
+    assert "activation_checkpointing" not in command_of(out)
+    assert "no activation checkpointing: the plan fits without it" in out
+    assert _table(out)["single"]["ckpt"] is None
+    forced = advisor([*llama, "--checkpointing"])
+    assert "strategy.activation_checkpointing=true" in command_of(forced) and _table(forced)["single"]["ckpt"] == "full"
+    assert _predicted_step_s(forced) > _predicted_step_s(out) * 1.2  # a recomputed forward: 4/3 of the compute
+    assert float(_table(forced)["single"]["peak"]) < float(_table(out)["single"]["peak"])
+
+    # gpt2 at 16 x 1024 tokens: 16.4 GiB without checkpointing (15.5 with 8-bit states), over one 16 GB
+    # device's 14.4 usable; selective checkpointing brings it to 13.7 and recomputes no matmul: faster than full
+    needs = advisor(["--model", "gpt2", "--devices-per-node", "1", "--device-memory", "16", "--micro-batch-size", "16"])
+    assert needs.startswith("Recommended: single 8-bit\n"), needs
+    assert "strategy.activation_checkpointing=selective" in command_of(needs)
+    rows = _table(needs)
+    assert rows["single 8-bit"]["ckpt"] == "selective" and rows["single"]["ckpt"] == "full", rows
+    assert float(rows["single 8-bit"]["step s"]) < float(rows["single"]["step s"])
+    assert re.search(r"activation checkpointing: without it the peak would be 15\.5 GiB, over the usable memory; "
+                     r"selective: matmul outputs kept", needs)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as stop:  # without it nothing fits
+        main(["--model", "gpt2", "--devices-per-node", "1", "--device-memory", "16", "--micro-batch-size", "16",
+              "--no-checkpointing"])
+    never = printed.getvalue()
+    assert stop.value.code == 2 and never.startswith("Recommended: nothing fits\n") and not any(r["ckpt"] for r in _table(never).values()), never
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -172,7 +217,9 @@ def test_slow_links_change_the_answer():
     shape = Shape(80, 8192, 64, 32000, 2048, bias=False, block_size=2048)
     fast = advise(shape, Cluster(4, 8, 80, inter_node_gbs=200))
     slow = advise(shape, Cluster(4, 8, 80, inter_node_gbs=3))
-    assert fast.strategy == "fsdp" and slow.strategy == "3d"
+    # fast links: no pipeline (fsdp_tp with sequence parallelism since checkpointing is weighed, and no plan
+    # pays for recomputation it does not need); 3 GB/s between nodes: a pipeline across them
+    assert "pp" not in fast.chosen.memory.mesh and fast.strategy in ("fsdp", "fsdp_tp") and slow.strategy == "3d"
     by = {c.label: c for c in slow.candidates}
     assert by["3d (8x4)"].comm_seconds < by["fsdp"].comm_seconds
 
@@ -227,7 +274,7 @@ def scaled(command: str, devices: int) -> list[str]:
                                           ("70b-4-nodes-slow", 4), ("largest-layer-beyond-a-device", 2),
                                           ("1.5b-one-24gb-8bit", 1), ("moe-8x-top2-2-nodes", 4),
                                           ("moe-small-8x24", 2), ("moe-8x-top2-one-node", 4),
-                                          ("70b-8-nodes-50gbs", 4), ("405b-16-nodes", 8),
+                                          ("70b-8-nodes-50gbs", 8), ("405b-16-nodes", 8),
                                           ("13b-2x24-host-stated", 2), ("5b-layers-one-8gb", 1),
                                           ("13b-8x24-8bit", 2),
                                           *((f"llama3-8b-{src}-{c}", 2 if c == "8x80" else 1)
@@ -266,7 +313,7 @@ def run_scaled(command: str, devices: int, tmp_path: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("case,devices", [("70b-4-nodes-slow", 4),
                                           ("5b-layers-one-8gb", 1), ("moe-8x-top2-one-node", 4),
-                                          ("70b-8-nodes-50gbs", 4), ("405b-16-nodes", 8),
+                                          ("70b-8-nodes-50gbs", 8), ("405b-16-nodes", 8),
                                           ("13b-2x24-host-stated", 2), ("13b-8x24-8bit", 2),
                                           *((f"llama3-8b-{src}-{c}", 2 if c == "8x80" else 1)
                                             for src in ("config", "flags") for c in LLAMA3_CLUSTERS)])
@@ -749,3 +796,37 @@ def test_the_advisor_and_mode_estimate_answer_alike(tmp_path, argv):
     assert row["micro_batch_size"] == m.micro_batch_size
     for key in ("params", "grads", "optimizer_state", "activations", "peak"):
         assert row[key] == getattr(m, key), (chosen.label, key, row[key], getattr(m, key))
+
+
+def test_calibrate_sets_the_efficiency_from_a_measured_run(tmp_path: Path, capsys):
+    """Issue 31: ``--calibrate RUN_DIR`` sets the compute efficiency from a measured run (summary.json's
+    model FLOPs per step over its median step time and ``--peak-tflops``), so the single-device plan at the
+    run's own model and batch is predicted at the run's measured step. A directory without a summary, or a
+    peak below what the run reached, is one line (exit 2)."""
+    import json
+
+    from lightning_par import cli
+    from tests.helpers import composed
+
+    run = tmp_path / "run"
+    cli._run(composed("experiment=quick", "trainer.max_steps=8", "trainer.limit_val_batches=0",
+                      "trainer.enable_progress_bar=false", tmp=run))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["matmul_dtype"] == "float32", summary
+    seq, g = round(summary["tokens_per_s"] / summary["samples_per_s"]), summary["global_batch_size"]
+    args = ["--model", summary["model"], "--devices-per-node", "1", "--precision", summary["precision"],
+            "--seq-len", str(seq), "--micro-batch-size", str(g), "--global-batch", str(g), "--peak-tflops", "1"]
+    out = advisor([*args, "--calibrate", str(run)])
+    efficiency = float(re.search(r"^Efficiency: ([0-9.]+), calibrated from ", out, re.M).group(1))
+    want = summary["flops_per_step"] / summary["step_time_s"] / (0.5 * 1e12)  # fp32: half the quoted peak
+    assert efficiency == pytest.approx(want, rel=2e-3), (efficiency, want)
+    assert out.startswith("Recommended: single\n")
+    assert _predicted_step_s(out) == pytest.approx(summary["step_time_s"], rel=0.01, abs=5e-4)
+    assert "Efficiency:" not in advisor(args)  # the default 0.5 stands without it
+
+    for bad, says in ((tmp_path / "nowhere", "summary.json does not exist"),
+                      (run, "more than the 5e-07 the peak allows")):
+        with pytest.raises(SystemExit) as stop:
+            main([*args[:-1], "1e-6", "--calibrate", str(bad)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and says in err[-1], err

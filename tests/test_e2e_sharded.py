@@ -71,6 +71,7 @@ def test_four_ranks_match_single(strategy):
 def test_two_ranks_with_accumulation_and_activation_checkpointing_match_single(strategy):
     s = two_ranks_accumulating()[strategy]
     assert s["world_size"] == 2 and s["mesh"] == ({"dp_replicate": 2} if strategy == "ddp" else {"dp_shard": 2})
+    assert s["activation_checkpointing"] == {"full": 2}  # both blocks, read from the modules
     assert_losses_match(s, single_refs()[0])
 
 

@@ -402,10 +402,15 @@ def test_sequence_parallel_refuses_plans_without_norm_entries():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("mode", ["true", "selective"])
 @pytest.mark.parametrize("strategy", ["zero3", "pipeline"])
-def test_llama_activation_checkpointing_parity(strategy):
+def test_llama_activation_checkpointing_parity(strategy, mode):
+    """Full and selective checkpointing (transformers' own checkpointing, handed the selective policy)."""
     from tests.sweeps import by_strategy, sweep
 
-    got = by_strategy(sweep("model=hf_llama_tiny", "strategy=zero3,pipeline", "strategy.activation_checkpointing=true",
+    got = by_strategy(sweep("model=hf_llama_tiny", "strategy=zero3,pipeline", f"strategy.activation_checkpointing={mode}",
                             "trainer.devices=2", DATA))[strategy]
+    # applied by transformers' own checkpointing, read from its layers (rank 0's under the pipeline)
+    (applied,) = got["activation_checkpointing"].items()
+    assert applied[0] == ("selective" if mode == "selective" else "full") and applied[1] >= 1, got["activation_checkpointing"]
     assert_losses_match(got, summary_of("hf_llama_tiny", "single"))

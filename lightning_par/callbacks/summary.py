@@ -161,6 +161,7 @@ class RunSummary(L.Callback):
             "n_params": int(facts.get("n_params", self.n_params)),
             "units_rule": facts.get("units_rule"),
             "compile": compile_facts(facts.get("compiled_modules")),
+            "activation_checkpointing": facts.get("checkpointed_blocks") or None,
             "precision": str(trainer.precision),
             "global_batch_size": global_batch_of(trainer),
             "steps": len(losses),

@@ -49,6 +49,7 @@ from __future__ import annotations
 from lightning_par.core import dtypes as _dtypes
 # the shape these formulas read (``costs/shape.py``; re-exported: run/memory_check.py, tests/fsdp_peak_probe.py
 # and benchmarks/bench_step_time.py import it from here) and the activations they know
+from lightning_par.costs.counting import block_linears
 from lightning_par.costs.shape import ACT_SAVED, HF_ARCHS, Shape  # noqa: F401 -- HF_ARCHS re-exported
 from lightning_par.costs.states import PRECISIONS, check
 
@@ -79,14 +80,10 @@ def attention_kernel(shape: Shape, device: str = "cuda", precision: str | None =
 
 
 def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda", tp: int = 1,
-                          sequence_parallel: bool = False, selective: bool = False) -> float:
-    """Bytes one transformer layer saves for backward, per token (weight copies excluded).
-    ``selective``: Korthikanti et al.'s selective recomputation -- the attention core (softmax,
-    dropout, scores) is recomputed, so the math path's s x s tensors are not kept (the fused kernels
-    keep none anyway)."""
+                          sequence_parallel: bool = False) -> float:
+    """Bytes one transformer layer saves for backward, per token (weight copies excluded)."""
     if shape.hf:
-        return hf_layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=sequence_parallel,
-                                        selective=selective)
+        return hf_layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=sequence_parallel)
     c, r, _ = dtypes(precision)
     h, a, m, s = shape.n_embd, shape.n_head, shape.mlp_ratio, shape.seq_len
     sp = tp if sequence_parallel else 1
@@ -95,7 +92,7 @@ def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda",
     split = c * h * (4 + 2 * m)  # q, k, v, attention out, fc out, GELU out
     if attention_kernel(shape, device) == "fused":
         split += 4 * a
-    elif not selective:
+    else:
         mask = 1 if device == "cuda" else c
         split += (2 * c + mask) * a * s
     masks = 0.0
@@ -117,7 +114,7 @@ def norm_bytes_per_token(shape: Shape, precision: str) -> float:
 
 
 def hf_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda", tp: int = 1,
-                             sequence_parallel: bool = False, selective: bool = False) -> float:
+                             sequence_parallel: bool = False) -> float:
     """``layer_bytes_per_token`` of a Hugging Face decoder layer (``HF_ARCHS`` as ``models/hf/causal_lm.py``
     builds them: no dropout), from what its modules save (counted with ``saved_tensors_hooks``, to the
     byte, tests/test_activation_memory.py), per token (h hidden, a heads, kv = kv_heads x head_dim,
@@ -148,8 +145,29 @@ def hf_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cud
     if attention_kernel(shape, device, precision) == "fused":
         attention = c * (2 * h + 2 * kv) + 4 * a
     else:
-        attention = c * 4 * h + (0 if selective else c * a * s)
+        attention = c * 4 * h + c * a * s
     return norms + whole + (attention + mlp) / tp
+
+
+def selective_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda") -> float:
+    """Bytes one layer keeps per token under selective checkpointing (``parallel/memory/checkpointing.py``:
+    matmul and fused-attention outputs saved, everything else recomputed): the block's input (the
+    residual stream, in the parameters' dtype), every linear's output (``counting.block_linears``) in the
+    compute dtype, and the attention core's -- the fused kernel's output and fp32 logsumexp, or the math
+    path's two batched matmuls (the s x s scores and their product with v). Norms, activation functions,
+    dropout and autocast's weight copies are recomputed, so they keep nothing. Not priced (ValueError): MoE
+    layers (their expert matmuls) and tensor parallelism (a row-parallel linear keeps its full-width
+    partial sum)."""
+    if shape.n_moe_layers:
+        raise ValueError("the estimator does not price selective checkpointing of MoE layers")
+    c, r, _ = dtypes(precision)
+    h, a, s = shape.n_embd, shape.n_head, shape.seq_len
+    linears = sum(block_linears(shape).values())
+    if attention_kernel(shape, device, precision if shape.hf else None) == "fused":
+        core = c * h + 4 * a
+    else:
+        core = c * a * s + c * h
+    return r * h + c * linears + core
 
 
 def moe_bytes_per_token(shape: Shape, precision: str) -> float:

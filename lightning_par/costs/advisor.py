@@ -117,6 +117,9 @@ class Candidate:
     host_bytes: int = 0  # offloaded states per node
     preference: int = 0
     disk_bytes: int = 0  # the disk tier's files per node
+    checkpointing: bool | str = False  # activation checkpointing: False, True (full) or "selective"
+    #: the same plan's peak without checkpointing, where that did not fit and this one checkpoints
+    peak_without_checkpointing: int | None = None
 
     @property
     def seconds(self) -> float:
@@ -220,11 +223,13 @@ class Advice:
         for c in rows:
             m, t = c.memory, c.time
             step = f"{t.total:>9.3f}{100 * t.mfu:>6.1f}%" if t is not None else f"{'-':>9}{'-':>7}"
-            lines.append(f"{c.label:<40}{f'{c.micro}x{c.steps}':>8}{m.peak / GIB:>10.2f}{c.host_bytes / GIB:>10.1f}"
+            label = c.label + {True: " +ckpt", "selective": " +sel"}.get(c.checkpointing, "")
+            lines.append(f"{label:<40}{f'{c.micro}x{c.steps}':>8}{m.peak / GIB:>10.2f}{c.host_bytes / GIB:>10.1f}"
                          f"{'yes' if c.fits else 'NO':>6}{c.comm_bytes / 1e9:>14.2f}{c.comm_seconds:>13.3f}{step}")
         more = len(self.candidates) - len(rows)
         return "\n".join(lines + [f"(fits: peak <= {budget / GIB:.1f} GiB usable per device; mb x n: sequences "
-                                  "per micro-batch x micro-batches per step; host GiB: offloaded states per node"
+                                  "per micro-batch x micro-batches per step; +ckpt / +sel: full / selective activation checkpointing; "
+                                  "host GiB: offloaded states per node"
                                   + (f"; {more} slower variants not shown" if more else "") + ")"])
 
 
@@ -341,7 +346,11 @@ class _Ask:
     global_batch: int
     precision: str
     optimizer: str
-    checkpointing: bool
+    checkpointing: bool | None  # None: each plan without, selective and full, the fastest that fits
+
+    def checkpointing_choices(self) -> tuple[bool | str, ...]:
+        """The checkpointing settings to price each plan at, least recomputation first."""
+        return (False, "selective", True) if self.checkpointing is None else (self.checkpointing,)
 
 
 def _hf_refusal(shape: Shape, lo: Layout) -> str:
@@ -370,9 +379,10 @@ def _hf_refusal(shape: Shape, lo: Layout) -> str:
     return ""
 
 
-def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate | None:
-    """One plan at one micro-batch size, or None where it cannot run (a mesh or batch that does not
-    divide, a layout the cost models do not price, a Hugging Face model's strategies would refuse)."""
+def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask, checkpointing: bool | str) -> Candidate | None:
+    """One plan at one micro-batch size, with or without activation checkpointing, or None where it
+    cannot run (a mesh or batch that does not divide, a layout the cost models do not price, a Hugging
+    Face model's strategies would refuse)."""
     shape, cluster, n = ask.shape, ask.cluster, (1 if e.name == "single" else ask.cluster.devices)
     try:
         lo = layout(e.name, n, **option.layout)
@@ -398,7 +408,7 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
     optimizer = option.optimizer or ask.optimizer
     try:
         mem = estimate(shape, devices=n, strategy=e.name, micro_batch_size=micro * (steps if pipelined else 1),
-                       layout_=lo, precision=ask.precision, optimizer=optimizer, checkpointing=ask.checkpointing,
+                       layout_=lo, precision=ask.precision, optimizer=optimizer, checkpointing=checkpointing,
                        device="cuda")
     except ValueError:  # a layout the estimator does not price (tensor parallelism of an MoE model)
         return None
@@ -414,7 +424,7 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
             e.name, n_params=u["total"], mesh=mesh, dtype_bytes=gather_bytes, shape=cshape,
             micro_batches=steps if pipelined else 1, schedule=lo.schedule, virtual_stages=lo.virtual_stages,
             expert_params=shape.expert_params(), data_parallel=lo.data_parallel,
-            activation_bytes=act_bytes, recompute=ask.checkpointing, sequence_parallel=lo.sequence_parallel,
+            activation_bytes=act_bytes, recompute=checkpointing, sequence_parallel=lo.sequence_parallel,
             accumulate=1 if pipelined else steps,
             reduce_dtype_bytes=param_bytes if gather_bytes != param_bytes else None)
     except ValueError:
@@ -424,7 +434,7 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
     disk_gbs = cluster.nvme_gbs / min(n, cluster.devices_per_node) if lo.disk_offload else None
     time = step_time(shape, traffic=e.comm, mesh={k: v for k, v in mesh.items() if v > 1},
                      global_batch=ask.global_batch, comm=comm, bandwidth_gbs=bandwidth, device=cluster.device,
-                     compute_bytes=act_bytes, recompute=ask.checkpointing, schedule=lo.schedule, micro_batches=steps,
+                     compute_bytes=act_bytes, recompute=checkpointing, schedule=lo.schedule, micro_batches=steps,
                      virtual_stages=lo.virtual_stages, offloaded_params=offloaded, accumulate=steps,
                      disk_gbs=disk_gbs)
     host = mem.offloaded * min(n, cluster.devices_per_node)
@@ -433,10 +443,11 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> Candidate
         not disk or (cluster.nvme_gb is not None and disk <= cluster.nvme_gb * GIB * NVME_HEADROOM))
     nodes = [f"trainer.devices={min(n, cluster.devices_per_node)}"] + (
         [f"trainer.num_nodes={cluster.nodes}"] if n > cluster.devices_per_node else [])
-    ckpt = ["strategy.activation_checkpointing=true"] if ask.checkpointing else []
+    ckpt = [f"strategy.activation_checkpointing={'selective' if checkpointing == 'selective' else 'true'}"] \
+        if checkpointing else []
     return Candidate(e.name, nodes + [*option.overrides, *ckpt, *batch_words], mem, comm_model.total_bytes(comm),
                      comm_model.predicted_seconds(comm, {**mesh, "world": n}, bandwidth), fits, ask.global_batch,
-                     time, micro, steps, host, e.preference, disk)
+                     time, micro, steps, host, e.preference, disk, checkpointing)
 
 
 def _variants(e: StrategyEntry, option: Option, precision: str) -> list[Option]:
@@ -466,9 +477,11 @@ def _best(cands: list[Candidate]) -> Candidate:
 
 
 def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", optimizer: str = "adamw",
-           micro_batch_size: int = 1, checkpointing: bool = True, headroom: float = 0.9,
+           micro_batch_size: int = 1, checkpointing: bool | None = None, headroom: float = 0.9,
            preset: str | None = None, global_batch: int | None = None, pretrained: str | None = None) -> Advice:
-    """The fastest plan that fits. ``global_batch``: sequences per optimizer step (None: one
+    """The fastest plan that fits. ``checkpointing``: None prices every plan with and without activation
+    checkpointing and keeps the faster that fits (recomputation costs a forward: a plan that fits without
+    it is not checkpointed); True or False fixes it. ``global_batch``: sequences per optimizer step (None: one
     ``micro_batch_size`` per device, what data parallelism alone would train). ``preset`` /
     ``pretrained``: how the command names the model (``model=<preset>``; ``model.pretrained=<dir>``,
     the directory ``shape`` was read from), else by its sizes."""
@@ -481,12 +494,21 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
                   shape.n_experts if shape.n_moe_layers else 0, optimizer)
     cands = _priced_plans(fleet, ask, micro_batch_size)
     reasons: list[str] = []
-    whole = estimate(shape, devices=1, strategy="single", micro_batch_size=micro_batch_size, precision=precision,
-                     optimizer=optimizer, checkpointing=checkpointing, device="cuda")
+    # the whole step on one device: the least checkpointing that fits, else the smallest peak
+    wholes = []
+    for how in ask.checkpointing_choices():
+        try:
+            wholes.append((estimate(shape, devices=1, strategy="single", micro_batch_size=micro_batch_size,
+                                    precision=precision, optimizer=optimizer, checkpointing=how, device="cuda"), how))
+        except ValueError:  # a checkpointing the estimator does not price for this model
+            continue
+    whole, how = next((w for w in wholes if w[0].peak <= budget), min(wholes, key=lambda w: w[0].peak))
+    named = {True: " with full activation checkpointing", "selective": " with selective activation checkpointing"}
     if whole.peak <= budget:
-        reasons.append(f"the whole step ({gib(whole.peak)} at its peak) fits one device ({gib(budget)} usable)")
+        reasons.append(f"the whole step{named.get(how, '')} ({gib(whole.peak)} at its peak) fits one device "
+                       f"({gib(budget)} usable)")
     else:
-        reasons.append(f"the whole step needs {gib(whole.peak)} at its peak ({whole.moment}): "
+        reasons.append(f"the whole step{named.get(how, '')} needs {gib(whole.peak)} at its peak ({whole.moment}): "
                        f"more than one device ({gib(budget)} usable)")
     fitting = [c for c in cands if c.fits]
     if not fitting and cluster.nvme_gb is not None:  # the disk tier: the same training, states in files
@@ -520,7 +542,7 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
         return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, g, pretrained), precision,
                       shape=shape, cluster=cluster, budget=budget, host_budget=host_budget)
     best = _best(fitting)
-    reasons += _why(best, fitting, cluster)
+    reasons += _why(best, fitting, cluster, ask.checkpointing is None)
     return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,
                   model_overrides(shape, preset, best.global_batch, pretrained), precision, best, shape, cluster,
                   budget, host_budget)
@@ -538,17 +560,40 @@ def _priced_plans(fleet: Fleet, ask: _Ask, micro: int, eight_bit: bool = False) 
                     continue
                 option = Option((*option.overrides, "model.optimizer=adamw8bit"), option.layout, "adamw8bit")
             priced = [c for o in _variants(e, option, ask.precision) for k in MICRO_STEPS
-                      if (c := _price(e, o, micro * k, ask)) is not None]
+                      for c in _checkpointing_variants(e, o, micro * k, ask)]
             by_label: dict[str, list[Candidate]] = {}
             for c in priced:
                 by_label.setdefault(c.label, []).append(c)
-            for group in by_label.values():
-                fitting = [c for c in group if c.fits]
-                out.append(_best(fitting) if fitting else min(group, key=lambda c: c.memory.peak))
+            out += [_pick(group) for group in by_label.values()]
     return out
 
 
-def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[str]:
+def _checkpointing_variants(e: StrategyEntry, option: Option, micro: int, ask: _Ask) -> list[Candidate]:
+    """The plan at each checkpointing setting, least recomputation first, up to the first that fits: a
+    later one is never faster (the step model charges full checkpointing a recomputed forward, selective
+    no FLOPs, and both a recomputed all-to-all), so it is priced only while the earlier ones do not fit."""
+    out = []
+    for how in ask.checkpointing_choices():
+        c = _price(e, option, micro, ask, how)
+        if c is not None:
+            out.append(c)
+            if c.fits:
+                break
+    return out
+
+
+def _pick(group: list[Candidate]) -> Candidate:
+    """One plan's row: its fastest fitting micro-batch size and checkpointing, else its smallest peak. A
+    checkpointed row records the smallest peak the plan reached without checkpointing (why it needs it)."""
+    fitting = [c for c in group if c.fits]
+    chosen = _best(fitting) if fitting else min(group, key=lambda c: c.memory.peak)
+    plain = [c.memory.peak for c in group if not c.checkpointing]
+    if chosen.checkpointing and plain and not any(c.fits for c in group if not c.checkpointing):
+        chosen.peak_without_checkpointing = min(plain)
+    return chosen
+
+
+def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster, weighed_checkpointing: bool) -> list[str]:
     t = best.time
     assert t is not None
     n = len(fitting)
@@ -580,6 +625,14 @@ def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster) -> list[st
         stated = (f"within the {cluster.host_memory_gb:g} GiB stated" if cluster.host_memory_gb is not None
                   else "host memory was not stated (--host-memory): check the nodes have it")
         out.append(f"{best.label} keeps its states in host memory: {best.host_bytes / GIB:.1f} GiB per node, {stated}")
+    if best.peak_without_checkpointing is not None:
+        cost = ("selective: matmul outputs kept, no matmul recomputed" if best.checkpointing == "selective" else
+                f"recomputing the forward adds {t.compute / 4:.3f} s of compute per step (a third of the plain step's)")
+        out.append(f"activation checkpointing: without it the peak would be {best.peak_without_checkpointing / GIB:.1f} "
+                   f"GiB, over the usable memory; {cost}")
+    elif not best.checkpointing and weighed_checkpointing:
+        out.append(f"no activation checkpointing: the plan fits without it, and recomputing the forward would add "
+                   f"about {t.compute / 3:.3f} s of compute per step")
     if best.time.bubble:
         out.append(f"pipeline bubble: {100 * t.bubble / t.total:.0f}% of the step ({best.steps} micro-batches)")
     return out
@@ -593,10 +646,9 @@ def _disk_offload(fleet: Fleet, ask: _Ask, micro: int) -> list[Candidate]:
     for option in e.advise(fleet):
         disk = Option((*option.overrides, f"strategy.offload_dir={NVME_DIR}"), {**option.layout, "disk_offload": True},
                       option.optimizer)
-        priced = [c for k in MICRO_STEPS if (c := _price(e, disk, micro * k, ask)) is not None]
-        fitting = [c for c in priced if c.fits]
+        priced = [c for k in MICRO_STEPS for c in _checkpointing_variants(e, disk, micro * k, ask)]
         if priced:
-            out.append(_best(fitting) if fitting else min(priced, key=lambda c: c.memory.peak))
+            out.append(_pick(priced))
     return out
 
 
@@ -646,8 +698,10 @@ def _tiled_offload(ask: _Ask, micro: int, reasons: list[str]) -> Candidate | Non
             continue
         text = "{" + ",".join(f"{p}:{t}" for p, t in tiling.items()) + "}"
         for option in _variants(e, Option((f"+strategy.tiling={text}",), {"tiling": tiling}), ask.precision):
-            cand = _price(e, option, micro, ask)
-            if cand is not None and cand.fits:
+            # selective checkpointing does not run a block whose layers are tiled (strategies/base.py refuses it)
+            cand = next((c for ckpt in ask.checkpointing_choices() if ckpt != "selective"
+                         if (c := _price(e, option, micro, ask, ckpt)) is not None and c.fits), None)
+            if cand is not None:
                 what = ("linears, the output head and the embedding" if any(
                     p.endswith(module_paths(shape)["head"]) for p in tiling) else "linears")
                 reasons.append(f"even ZeRO-3 with offload must all-gather a whole layer; tiling every block's "

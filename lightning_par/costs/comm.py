@@ -202,7 +202,7 @@ def step_comm_bytes(strategy: str, *, n_params: int, mesh: dict[str, int], dtype
                     sequence_parallel: bool = False, loss_parallel: bool = False,
                     grad_clip: bool = False, expert_params: int = 0,
                     data_parallel: str = "replicate", activation_bytes: int | None = None,
-                    recompute: bool = False, param_tensors: int | None = None,
+                    recompute: bool | str = False, param_tensors: int | None = None,
                     accumulate: int = 1, grad_sync: str = "every_micro_batch",
                     reduce_dtype_bytes: int | None = None,
                     zero2_collectives: str = "reduce_scatter") -> dict[str, dict[str, int]]:
@@ -312,7 +312,7 @@ class _Step:
     expert_params: int
     data_parallel: str
     activation_bytes: int | None
-    recompute: bool
+    recompute: bool | str
     param_tensors: int | None
     sequence_parallel: bool = False
     accumulate: int = 1
@@ -414,7 +414,7 @@ TRAFFIC_MODELS = tuple(_TRAFFIC)
 
 
 def _expert_parallel(out: dict, shape: CommShape | None, P: int, experts: int, ep: int, rep: int, shard: int,
-                     b: int, fsdp: bool = False, act_b: int = 4, recompute: bool = False) -> None:
+                     b: int, fsdp: bool = False, act_b: int = 4, recompute: bool | str = False) -> None:
     """strategies/expert_parallel.py. Per MoE layer and forward: the routed rows go out in one
     all-to-all and come back in another (payload: this rank's ``tokens x top_k`` rows of ``hidden``
     elements each, under dropless routing), after an all-to-all of the per-expert counts (int64);
@@ -428,9 +428,10 @@ def _expert_parallel(out: dict, shape: CommShape | None, P: int, experts: int, e
     if ep > 1:
         rows = shape.micro_batch * shape.seq * shape.top_k
         # dispatch and combine, forward and backward: twice in the input's dtype, twice in the output's;
-        # a recomputed forward exchanges its rows and counts once more
+        # a recomputed forward exchanges its rows and counts once more (full or selective checkpointing: the
+        # all-to-all is not a matmul, so selective recomputes it too)
         forward = rows * shape.hidden * (b + act_b) + 8 * shape.n_experts
-        _add(out, "all_to_all", "ep", shape.moe_layers * ((2 + recompute) * forward - 8 * shape.n_experts))
+        _add(out, "all_to_all", "ep", shape.moe_layers * ((2 + bool(recompute)) * forward - 8 * shape.n_experts))
     # the non-expert parameters' group: every data rank (strategies/expert_parallel.py flattens the
     # data axes into one mesh); named ``world`` like callbacks/comm.py names a group of every rank
     on = [name for name, size in (("dp_replicate", rep), ("dp_shard", shard), ("ep", ep)) if size > 1]

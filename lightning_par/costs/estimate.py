@@ -84,7 +84,7 @@ def layout(strategy: str, devices: int, **options: Any) -> Layout:
 
 
 def estimate(model: Any, *, devices: int, strategy: str, precision: str = "bf16-mixed", optimizer: str = "adamw",
-             shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool = False,
+             shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool | str = False,
              device: str = "cuda", layout_: Layout | None = None, **layout_options: Any) -> MemoryEstimate:
     """Memory per rank. ``model``: a parameter count Ψ, a preset name, a ``GPTConfig``-like object or a
     ``Shape``. Without a shape (a bare count) only model states and the optimizer step are counted.
@@ -188,7 +188,7 @@ COLUMNS = ("params", "grads", "optimizer_state", "activations", "transient", "pe
 
 
 def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
-                   shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool = False,
+                   shape: Shape | None = None, micro_batch_size: int = 1, checkpointing: bool | str = False,
                    device_memory: float | None = None, unit: str = "GiB", echo: bool = False, device: str = "cuda",
                    rows: list[MemoryEstimate] | None = None, traced: bool = False) -> str:
     """One table: rows strategies (and mesh), columns the categories in ``unit`` (GiB = 2^30, GB = 1e9);
@@ -202,7 +202,8 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
     lines = [f"Memory per rank in {unit}: Ψ = {int(n_params):,} params, N = {devices}, {precision} "
              f"({p:g}+{g:g}+{k:g} bytes/param), {optimizer}, "
              + (f"micro-batches of {shape.seq_len} tokens on {device}"
-                + (", checkpointing" if checkpointing else "") if shape
+                + (f", {'selective' if checkpointing == 'selective' else 'full'} checkpointing"
+                   if checkpointing else "") if shape
                 else "one training step traced on fake tensors (costs/traced.py, CPU kernels)" if traced
                 else "activations not estimated (no model shape)")
              + "; peak = the step's largest moment (costs/peak.py), not the columns' sum"]

@@ -53,7 +53,8 @@ class Peak:
 def step_peak(shape: Shape, layout: Layout, *, micro_batch_size: int, precision: str, optimizer: str,
               checkpointing: bool | str = False, device: str = "cuda") -> Peak:
     """Predicted per-rank bytes (the rank that holds the most: pipeline first or last stage).
-    ``checkpointing``: False, True / ``"full"`` (every block keeps its input only) or ``"selective"``."""
+    ``checkpointing``: False, True / ``"full"`` (every block keeps its input only) or ``"selective"``
+    (every block keeps its input and its matmul outputs, ``activations.selective_layer_bytes_per_token``)."""
     if shape.n_moe_layers and layout.tp > 1:
         raise ValueError(f"the estimator does not price tensor parallelism of an MoE model (tp={layout.tp}: its MoE "
                          "layers run whole on every tp rank); estimate it with tp=1")
@@ -63,7 +64,7 @@ def step_peak(shape: Shape, layout: Layout, *, micro_batch_size: int, precision:
 
 
 def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str, optimizer: str,
-                ckpt: bool, device: str) -> Peak:
+                ckpt: bool | str, device: str) -> Peak:
     u = shape.units()
     p, g, _ = bytes_per_param(precision, optimizer)
     tp, pp = lay.tp, lay.pp
@@ -100,10 +101,11 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     # activations per micro-batch: FSDP mixed precision's bf16 parameters make a 32-true run compute in
     # bf16 (its activations, no autocast copies), as bf16-true does
     precision = "bf16-true" if lay.grads == "fsdp" and lay.gather_bytes == 2 and precision == "32-true" else precision
-    selective = ckpt == "selective"  # recompute the attention core only; True / "full": whole blocks
+    selective = ckpt == "selective"  # matmul outputs kept, the rest recomputed; True / "full": whole blocks
     ckpt = bool(ckpt) and not selective
-    lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel,
-                                   selective=selective)
+    if selective and tp > 1:
+        raise ValueError("the estimator does not price selective checkpointing under tensor parallelism")
+    lt = act.layer_bytes_per_token(shape, precision, device=device, tp=tp, sequence_parallel=lay.sequence_parallel)
     # a tiled linear is checkpointed tile by tile (parallel/parallelize.py): one tile's weight copy at a time
     names = {part: v for k, v in lay.tiling.items() if (part := tiled_part(shape, k)) and part.startswith("block.")}
     matmul = u["block_matmul"] - sum(u[n] for n in names if n in u) + max([u[n] / k for n, k in names.items()
@@ -112,8 +114,15 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
         share = shape.n_moe_layers / shape.n_layer
         matmul += share * (u["moe_matmul"] + u["moe_experts"] / lay.ep - u["block_matmul"])
     copies = act.weight_copy_bytes(int(matmul), precision, tp)
-    keep = act.checkpoint_bytes_per_token(shape, precision, tp, lay.sequence_parallel) * tokens if ckpt \
-        else lt * tokens + copies
+    full_layer = lt * tokens + copies  # what a block saves without checkpointing
+    if ckpt:
+        keep = act.checkpoint_bytes_per_token(shape, precision, tp, lay.sequence_parallel) * tokens
+    elif selective:
+        keep = act.selective_layer_bytes_per_token(shape, precision, device=device) * tokens
+    else:
+        keep = full_layer
+    # brought back for one block's backward: all of it (full), what was not kept (selective), nothing (none)
+    recomputed = full_layer if ckpt else max(0.0, full_layer - keep)
     head_saved = (act.head_bytes_per_token(shape, precision, tp=tp, loss_parallel=lay.loss_parallel) * tokens
                   + act.weight_copy_bytes(u["lm_head"], precision, tp)) if has_head else 0
     embed_saved = act.embed_bytes_per_token(shape, precision, device) * tokens if has_embed else 0
@@ -136,8 +145,8 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     # backward at the loss (head): all activations, the loss buffers
     done = 0.0  # parameters whose gradients exist
     for name, saved_now, transient, unit_params in _backward_units(
-            shape, lay, has_embed, has_head, layers, in_flight, keep, lt * tokens + copies, embed_saved,
-            head_saved, tokens, precision, tp, ckpt, head, block, embed):
+            shape, lay, has_embed, has_head, layers, in_flight, keep, recomputed, embed_saved,
+            head_saved, tokens, precision, tp, head, block, embed):
         grads_now = _grads_during_backward(lay, g, local, psi_shard, done, min(unit_params, unit_max), largest)
         if name == "loss" and lay.grads == "fsdp" and lay.reshard_after_forward and gathered_root:
             # the loss runs after the root's forward resharded every unit (this repository reshards the
@@ -234,8 +243,8 @@ def fsdp_units(u: dict, lay: Layout, has_embed: bool, has_head: bool, block: flo
 _GPT = Shape(1, 1, 1, 1, 1)
 
 
-def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, full_layer, embed_saved, head_saved,
-                    tokens, precision, tp, ckpt, head, block, embed):
+def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, recomputed, embed_saved, head_saved,
+                    tokens, precision, tp, head, block, embed):
     """(name, activations alive, transient, unit parameters) for each unit in backward order."""
     below = in_flight * embed_saved
     if has_head:
@@ -243,11 +252,8 @@ def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, fu
         yield "loss", below + in_flight * layers * keep + head_saved, loss, head
     inner = act.layer_backward_transient_per_token(shape, precision, tp) * tokens
     for i in range(layers, 0, -1):
-        alive = below + in_flight * i * keep
-        if ckpt:  # the block's activations, recomputed for its backward
-            alive += full_layer
-        elif in_flight > 1:  # the last micro-batch's earlier layers
-            pass
+        # a checkpointed block's activations, recomputed for its backward (0 without checkpointing)
+        alive = below + in_flight * i * keep + recomputed
         yield f"block {i - 1}", alive, inner, block
     if has_embed:
         yield "embedding", below, 0.0, embed

@@ -132,7 +132,7 @@ def data_parallel_calls(traffic: str, shape: Shape, mesh: dict[str, int], forwar
 
 
 def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch: int, comm: dict[str, dict[str, int]],
-              bandwidth_gbs: dict[str, float], device: Device, compute_bytes: int = 2, recompute: bool = False,
+              bandwidth_gbs: dict[str, float], device: Device, compute_bytes: int = 2, recompute: bool | str = False,
               schedule: str = "1f1b", micro_batches: int = 1, virtual_stages: int = 1,
               offloaded_params: int = 0, accumulate: int = 1, disk_gbs: float | None = None) -> StepTime:
     """The step time of one plan. ``traffic``: the strategy's traffic model (``StrategyEntry.comm``);
@@ -148,7 +148,9 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
     tp, pp = int(mesh.get("tp", 1)), int(mesh.get("pp", 1))
     peak = device.peak_tflops * 1e12 * (1.0 if compute_bytes <= 2 else 0.5)
     model_flops = flops_per_token(shape) * shape.seq_len * global_batch
-    rank_flops = model_flops / devices * (4 / 3 if recompute else 1.0)  # a recomputed forward: 2 of 6
+    # full checkpointing recomputes the forward (2 of 6 FLOPs per parameter-token); selective recomputes no
+    # matmul (its pointwise recomputation is memory-bound time this FLOP model does not see)
+    rank_flops = model_flops / devices * (4 / 3 if recompute in (True, "full") else 1.0)
     compute = rank_flops / (peak * device.efficiency)
     axes = {**mesh, "world": devices}
     hidden = exposed = 0.0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_par.costs.advisor import Advice, Cluster, advise, describe
+from lightning_par.costs.calibration import calibrate
 from lightning_par.costs.shape import Shape
 from lightning_par.costs.estimate import preset_names
 
@@ -231,7 +232,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
                          "is priced at it, with accumulation or pipeline micro-batches to reach it")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="dense bf16 TFLOP/s per device, for step time and MFU (default: %(default)s, H100 SXM)")
-    ap.add_argument("--efficiency", type=float, default=0.5,
+    speed = ap.add_mutually_exclusive_group()
+    speed.add_argument("--calibrate", metavar="RUN_DIR", default=None,
+                    help="set --efficiency from a finished run (its summary.json: model FLOPs per step over its "
+                         "measured step time and --peak-tflops, which must be the peak of the device it ran on)")
+    speed.add_argument("--efficiency", type=float, default=0.5,
                     help="fraction of the peak a step's matmuls reach (default: %(default)s)")
     ap.add_argument("--host-memory", type=float, default=None,
                     help="GiB of host memory per node; offload plans must fit it (default: not checked, shown)")
@@ -243,7 +248,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
                          "(default: %(default)s)")
     ap.add_argument("--host-link-gbs", type=float, default=25.0,
                     help="GB/s between a device and the host, for offload (default: %(default)s)")
-    ap.add_argument("--no-checkpointing", action="store_true", help="assume no activation checkpointing")
+    when = ap.add_mutually_exclusive_group()
+    when.add_argument("--no-checkpointing", action="store_true",
+                      help="never activation checkpointing (default: each plan priced with and without it, the "
+                           "faster that fits kept)")
+    when.add_argument("--checkpointing", action="store_true", help="always activation checkpointing")
     args = ap.parse_args(argv)
     try:
         for name in ("nodes", "devices_per_node", "device_memory", "intra_node_gbs", "inter_node_gbs",
@@ -254,18 +263,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+        calibration = calibrate(args.calibrate, args.peak_tflops) if args.calibrate else None
+        if calibration is not None:
+            args.efficiency = calibration.efficiency
         asked = shape_from_args(args)
         cluster = Cluster(args.nodes, args.devices_per_node, args.device_memory, args.intra_node_gbs,
                           args.inter_node_gbs, args.peak_tflops, args.efficiency, args.host_link_gbs, args.host_memory,
                           args.nvme, args.nvme_gbs)
         advice = advise(asked.shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
-                        checkpointing=not args.no_checkpointing, preset=asked.preset, global_batch=args.global_batch,
-                        pretrained=asked.pretrained)
+                        checkpointing=False if args.no_checkpointing else True if args.checkpointing else None,
+                        preset=asked.preset, global_batch=args.global_batch, pretrained=asked.pretrained)
     except ValueError as exc:
         ap.error(str(exc))
     print(advice.headline())
     for line in model_lines(asked):
         print(line)
+    if calibration is not None:
+        print(calibration.line())
     if advice.chosen is not None:
         print(advice.memory_line())
     for r in advice.reasons:

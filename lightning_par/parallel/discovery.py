@@ -157,16 +157,17 @@ def init_fn_of(module: nn.Module) -> Callable[[nn.Module], None] | None:
     return init
 
 
-def checkpointing_fn_of(module: nn.Module) -> Callable[[nn.Module], bool] | None:
+def checkpointing_fn_of(module: nn.Module) -> Callable[[nn.Module, str], bool] | None:
     """The model's own activation-checkpointing switch (Hugging Face's gradient checkpointing), as a
-    function of the module to apply it to that returns whether it applied; None when there is none."""
+    function of the module to apply it to and the mode (``full`` / ``selective``) that returns whether it
+    applied; None when there is none."""
     if find_hf_model(module) is None:
         return None
 
-    def enable(target: nn.Module) -> bool:
+    def enable(target: nn.Module, mode: str) -> bool:
         found = find_hf_model(target)
         if found is None:  # e.g. a pipeline stage holding only some decoder layers
             return False
-        return hf_enable_checkpointing(found[1])
+        return hf_enable_checkpointing(found[1], mode)
 
     return enable

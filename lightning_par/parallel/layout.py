@@ -71,7 +71,7 @@ class Layout:
 class CostOptions:
     """A built strategy's options that change what it costs (``strategy.cost_options()``)."""
 
-    recompute: bool = False  # activation checkpointing
+    recompute: bool | str = False  # activation checkpointing: False, "full" or "selective"
     cpu_offload: bool = False
     disk_offload: bool = False  # zero3_offload's offload_dir: the offloaded states in files
     #: FSDP's knobs: gathered-parameter and reduction dtypes (None: the precision's), prefetch depth,

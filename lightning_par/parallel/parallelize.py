@@ -101,9 +101,11 @@ class Techniques:
     cut: Callable[[nn.Module], list[nn.Module]] | None = None
     tensor_parallel: TensorParallel | None = None
     expert_parallel: ExpertParallel | None = None
-    activation_checkpointing: bool = False
-    #: checkpoint activations for models with their own mechanism (Hugging Face ``gradient_checkpointing_enable``)
-    own_checkpointing: Callable[[nn.Module], bool] | None = None
+    #: None, "full" or "selective" (``parallel/memory/checkpointing.py``)
+    activation_checkpointing: str | None = None
+    #: checkpoint activations for models with their own mechanism (Hugging Face ``gradient_checkpointing_enable``),
+    #: given the module and the mode
+    own_checkpointing: Callable[[nn.Module, str], bool] | None = None
     compile: bool = False
     compile_kwargs: dict[str, Any] = field(default_factory=dict)
     fully_shard: FullyShard | None = None
@@ -158,8 +160,9 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
         blocks = _blocks_in(stage, module, plan.blocks)
         stage_tiles = _blocks_in(stage, module, tiles)
         if spec.activation_checkpointing:                                                # checkpoint activations
-            if spec.own_checkpointing is None or not spec.own_checkpointing(stage):
-                apply_activation_checkpointing(stage, blocks=blocks)
+            mode = spec.activation_checkpointing
+            if spec.own_checkpointing is None or not spec.own_checkpointing(stage, mode):
+                apply_activation_checkpointing(stage, blocks=blocks, mode=mode)
         # tiles: always checkpointed (their point is memory), unless a checkpointed block already holds them
         held = blocks if spec.activation_checkpointing else []
         apply_activation_checkpointing(stage, blocks=[t for t in stage_tiles

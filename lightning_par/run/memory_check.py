@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_par import ConfigError
+from lightning_par.parallel.memory.checkpointing import checkpointing_mode
 from lightning_par.run import facts
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def prediction(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int, st
     try:
         est = estimate(shape, devices=dims.world_size, strategy=found.name, precision=precision,
                        optimizer=str(cfg.model.get("optimizer", "adamw")), micro_batch_size=micro,
-                       checkpointing=bool(getattr(strategy, "activation_checkpointing", False)),
+                       checkpointing=checkpointing_mode(getattr(strategy, "activation_checkpointing", False)) or False,
                        device="cuda" if on_cuda else "cpu", layout_=lay)
     except ValueError as e:  # a layout the estimator does not price: nothing to check against
         return f"mode=estimate does not price strategy={found.name} here ({_first_line(e)})"

@@ -47,6 +47,7 @@ from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
 from lightning_par.parallel.hf.from_pretrained import transformers_from_pretrained_on_meta
 from lightning_par.parallel.sharding.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_par.parallel.memory.checkpointing import checkpointed_blocks, checkpointing_mode
 from lightning_par.parallel.memory.tiling import check_tiling
 from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 from lightning_par.strategies.fork_ranks import ChildEntry
@@ -113,7 +114,7 @@ class ParStrategyMixin:
     child_cwd: str | None = None
     #: True when the strategy keeps model states in host memory (the memory callback reads it)
     cpu_offload: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
     #: ``torch.compile`` each repeated block in place: False, True, or torch.compile's keyword arguments
     #: (``{"mode": "max-autotune-no-cudagraphs"}``); the app sets it from the top-level ``compile`` key,
     #: a user's own Trainer by ``strategy.compile = True`` before ``fit``
@@ -168,7 +169,8 @@ class ParStrategyMixin:
         """What this strategy states about itself for the cost models (``parallel/layout.py``): the
         estimator and the comm prediction read this, never the strategy's attributes. Strategies with
         options of their own extend it (``replace(super().cost_options(), ...)``)."""
-        return CostOptions(recompute=bool(self.activation_checkpointing), cpu_offload=bool(self.cpu_offload))
+        return CostOptions(recompute=checkpointing_mode(self.activation_checkpointing) or False,
+                           cpu_offload=bool(self.cpu_offload))
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:
@@ -184,6 +186,15 @@ class ParStrategyMixin:
         self.dims_for(world_size).validate(world_size)
         if self.wants_sync_batchnorm():
             self.check_sync_batchnorm(world_size, module)
+        mode = checkpointing_mode(self.activation_checkpointing)  # false, true, full or selective, else one line
+        if mode == "selective" and getattr(self, "tiling", None):
+            # a tile is its own FSDP unit and checkpoint inside the block: torch's selective checkpointing of the
+            # block then meets the tile's hooks in backward in another order than in forward, and fails
+            blocks = resolve_plan(module).plan.blocks
+            inside = sorted(t for t in self.tiling if any(t.startswith(b + ".") for b in blocks))
+            if inside:
+                raise ValueError(f"activation_checkpointing=selective cannot checkpoint a block whose layers are tiled "
+                                 f"(strategy.tiling: {inside[0]}, ...): use activation_checkpointing=true")
         if self.activation_checkpointing and not resolve_plan(module).plan.blocks:
             raise ValueError(f"{type(self).__name__}: activation_checkpointing found no blocks in "
                              f"{type(module).__name__} (no declared plan, no repeated children, no large submodule)")
@@ -261,7 +272,7 @@ class ParStrategyMixin:
         seed = int(self.broadcast(torch.initial_seed() % (1 << 31)))  # one seed: the same weights on every rank
         trace, self._init_trace = getattr(self, "_init_trace", None), None  # used once, then released
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
-                          init_trace=trace, activation_checkpointing=self.activation_checkpointing,
+                          init_trace=trace, activation_checkpointing=checkpointing_mode(self.activation_checkpointing),
                           own_checkpointing=checkpointing_fn_of(module), **compile_fields(self.compile),
                           **self.techniques(module, resolved))
         tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
@@ -272,6 +283,12 @@ class ParStrategyMixin:
         # what compile did, for the run summary: modules whose call runs through torch.compile
         self.model_facts["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None
                                                    for m in module.modules())
+        # what activation checkpointing was applied on this rank's stages, by mode
+        checkpointed: dict[str, int] = {}
+        for stage in stages:
+            for mode, n in checkpointed_blocks(stage).items():
+                checkpointed[mode] = checkpointed.get(mode, 0) + n
+        self.model_facts["checkpointed_blocks"] = checkpointed
         if isinstance(module, FSDPModule):
             for name in _STEP_METHODS:
                 if callable(getattr(module, name, None)):
@@ -325,13 +342,13 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
     ``prepare_model`` (parallelize's order, ending with materialisation), then the optimizers.
 
     Args:
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
         sync_batchnorm: BatchNorm statistics over the data-parallel ranks (as ``Trainer(sync_batchnorm=True)``).
     """
 
-    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
+    def __init__(self, activation_checkpointing: bool | str = False, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.activation_checkpointing = activation_checkpointing

@@ -82,7 +82,7 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
         split_points: explicit cut: the first layer of every stage after the first (index into the
             model's declared layers, or its path).
         sequence_parallel / loss_parallel: tensor-parallel options (see ``parallel/tensor/tensor_parallel.py``).
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
         reshard_after_forward: FSDP: free gathered parameters after forward; None: True without a
             pipeline, False with one (else every micro-batch all-gathers them again).
         pipelined: run a pipeline schedule even when pp == 1 (the pipeline strategy on one device).
@@ -107,7 +107,7 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
         split_points: Sequence[int | str] | None = None,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         reshard_after_forward: bool | None = None,
         pipelined: bool = False,
         ep: int = 1,
@@ -301,7 +301,7 @@ class FSDPTPStrategy(MeshParallelStrategy):
     strategy_name = "lp_fsdp_tp"
 
     def __init__(self, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
-                 activation_checkpointing: bool = False, reshard_after_forward: bool = True, **kwargs: Any) -> None:
+                 activation_checkpointing: bool | str = False, reshard_after_forward: bool = True, **kwargs: Any) -> None:
         super().__init__(pp=1, tp=tp, data_parallel="fsdp", sequence_parallel=sequence_parallel,
                          loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing,
                          reshard_after_forward=reshard_after_forward, **kwargs)
@@ -321,7 +321,7 @@ class Parallel3DStrategy(MeshParallelStrategy):
     def __init__(self, pp: int = 2, tp: int = 2, data_parallel: str = "fsdp", schedule: str = "1f1b",
                  n_microbatches: int | None = None, virtual_stages: int | None = None, balance: str = "params",
                  split_points: Sequence[int | str] | None = None, sequence_parallel: bool = False,
-                 activation_checkpointing: bool = False, reshard_after_forward: bool | None = None,
+                 activation_checkpointing: bool | str = False, reshard_after_forward: bool | None = None,
                  **kwargs: Any) -> None:
         super().__init__(pp=pp, tp=tp, data_parallel=data_parallel, schedule=schedule, n_microbatches=n_microbatches,
                          virtual_stages=virtual_stages, balance=balance, split_points=split_points,

@@ -38,7 +38,7 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
         gradient_as_bucket_view: let ``.grad`` alias the communication buckets (saves one gradient copy).
         static_graph: the graph is the same every step (enables DDP's optimizations).
         find_unused_parameters: tolerate parameters that get no gradient (slower).
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
     """
 
@@ -46,7 +46,7 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
 
     def __init__(self, sync_batchnorm: bool = False, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True,
                  static_graph: bool = False, find_unused_parameters: bool = False,
-                 activation_checkpointing: bool = False, process_group_backend: str | None = None,
+                 activation_checkpointing: bool | str = False, process_group_backend: str | None = None,
                  **kwargs: Any) -> None:
         super().__init__(process_group_backend=process_group_backend, bucket_cap_mb=bucket_cap_mb,
                          gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,

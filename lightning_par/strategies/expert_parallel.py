@@ -43,13 +43,13 @@ class ExpertParallelStrategy(MeshParallelStrategy):
             ``fsdp`` (FSDP2: non-expert parameters sharded over the whole world, experts over dp,
             if dp > 1).
         reshard_after_forward: FSDP: free gathered parameters after forward.
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
     """
 
     strategy_name = "lp_expert_parallel"
 
     def __init__(self, ep: int | None = None, data_parallel: str = "replicate", reshard_after_forward: bool = True,
-                 activation_checkpointing: bool = False, process_group_backend: str | None = None,
+                 activation_checkpointing: bool | str = False, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
         if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
             raise ValueError(f"{type(self).__name__}: ep must be a positive integer or null (= the world size), "

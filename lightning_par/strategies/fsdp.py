@@ -55,7 +55,7 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
         cpu_offload: keep parameter shards, gradients and optimizer state in host memory; the
             optimizer step runs on the host.
         replicate: HSDP replica groups (1: plain FSDP); must divide the world size.
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
         sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``), the
@@ -71,7 +71,7 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
 
     def __init__(self, units: int | str | Sequence[str] = "blocks", reshard_after_forward: bool = True,
                  prefetch: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = None,
-                 cpu_offload: bool = False, replicate: int = 1, activation_checkpointing: bool = False,
+                 cpu_offload: bool = False, replicate: int = 1, activation_checkpointing: bool | str = False,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  sync_batchnorm: bool = False, grad_sync: str = "every_micro_batch") -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,

@@ -40,14 +40,14 @@ class PipelineStrategy(MeshParallelStrategy):
             model's ``parallel_plan().layers`` such as ``net.blocks.2``, or its index).
         pp: pipeline ranks; None: the world size. Fewer: data parallel (gradient averaging) over
             world / pp pipelines.
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
     """
 
     strategy_name = "lp_pipeline"
 
     def __init__(self, schedule: str = "1f1b", n_microbatches: int | None = None, virtual_stages: int | None = None,
                  balance: str = "params", split_points: Sequence[int | str] | None = None, pp: int | None = None,
-                 activation_checkpointing: bool = False, **kwargs: Any) -> None:
+                 activation_checkpointing: bool | str = False, **kwargs: Any) -> None:
         super().__init__(pp=pp, tp=1, data_parallel="replicate", schedule=schedule, n_microbatches=n_microbatches,
                          virtual_stages=virtual_stages, balance=balance, split_points=split_points,
                          activation_checkpointing=activation_checkpointing, pipelined=True, **kwargs)

@@ -27,14 +27,14 @@ class SingleDeviceStrategy(ParStrategyMixin, DistributedCheckpointMixin, _Lightn
 
     Args:
         device: ``"auto"`` or a torch device string.
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
     """
 
     strategy_name = "lp_single"
     #: one process whatever ``trainer.devices`` says, so ``-m strategy=single,ddp trainer.devices=2`` sweeps work
     single_process = True
 
-    def __init__(self, device: str = "auto", activation_checkpointing: bool = False, **kwargs: Any) -> None:
+    def __init__(self, device: str = "auto", activation_checkpointing: bool | str = False, **kwargs: Any) -> None:
         if device == "auto":
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         super().__init__(device=torch.device(device), **kwargs)

@@ -34,12 +34,12 @@ class TensorParallelStrategy(MeshParallelStrategy):
             averaging) over world / tp groups.
         sequence_parallel: shard LayerNorms and the activations between blocks on the sequence dim.
         loss_parallel: cross-entropy on vocabulary-sharded logits (needs the model's ``loss_fn``).
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
     """
 
     strategy_name = "lp_tensor_parallel"
 
     def __init__(self, tp: int | None = None, sequence_parallel: bool = False, loss_parallel: bool = False,
-                 activation_checkpointing: bool = False, **kwargs: Any) -> None:
+                 activation_checkpointing: bool | str = False, **kwargs: Any) -> None:
         super().__init__(pp=1, tp=tp, data_parallel="replicate", sequence_parallel=sequence_parallel,
                          loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing, **kwargs)

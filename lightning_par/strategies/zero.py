@@ -85,7 +85,7 @@ class Zero2Strategy(ShardedStrategy):
     Only norm clipping exists.
 
     Args:
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``).
         bucket_cap_mb: gradients reduce-scattered together from backward (MB of parameters per bucket).
@@ -95,7 +95,7 @@ class Zero2Strategy(ShardedStrategy):
 
     strategy_name = "lp_zero2"
 
-    def __init__(self, activation_checkpointing: bool = False, process_group_backend: str | None = None,
+    def __init__(self, activation_checkpointing: bool | str = False, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False,
                  bucket_cap_mb: float = 25.0, collectives: str = "auto") -> None:
         super().__init__(activation_checkpointing=activation_checkpointing,
@@ -229,7 +229,7 @@ class Zero3Strategy(FSDPStrategy):
     one unit of prefetch.
 
     Args:
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
         param_dtype / reduce_dtype: FSDP mixed precision (``bf16``, ``fp16``, ``fp32`` or null): the
             sharded parameters stay in their dtype (the fp32 master copy), forward/backward compute
             in ``param_dtype``, gradients are reduced in ``reduce_dtype``. Or Lightning's
@@ -242,7 +242,7 @@ class Zero3Strategy(FSDPStrategy):
     #: fixed, as the units, resharding and prefetch below (zero3_offload: True)
     cpu_offload = False
 
-    def __init__(self, activation_checkpointing: bool = False, param_dtype: str | None = None,
+    def __init__(self, activation_checkpointing: bool | str = False, param_dtype: str | None = None,
                  reduce_dtype: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False) -> None:
         super().__init__(units="blocks", reshard_after_forward=True, prefetch=1, cpu_offload=self.cpu_offload,
@@ -261,7 +261,7 @@ class Zero3OffloadStrategy(Zero3Strategy):
     it is gathered, a parameter's gradient while FSDP accumulates it, a chunk of the optimizer step.
 
     Args:
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         offload_dir: directory for the disk tier's files (created if missing; needs room for this
             node's ranks' parameters, gradients and optimizer state); None keeps them in host memory.
@@ -271,7 +271,7 @@ class Zero3OffloadStrategy(Zero3Strategy):
     strategy_name = "lp_zero3_offload"
     cpu_offload = True
 
-    def __init__(self, activation_checkpointing: bool = False, param_dtype: str | None = None,
+    def __init__(self, activation_checkpointing: bool | str = False, param_dtype: str | None = None,
                  reduce_dtype: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, sync_batchnorm: bool = False,
                  offload_dir: str | None = None, offload_chunk_mb: float = 64.0) -> None:

@@ -541,14 +541,19 @@ def hf_init_all(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
 # Activation checkpointing
 
 
-def hf_enable_checkpointing(model: nn.Module) -> bool:
+def hf_enable_checkpointing(model: nn.Module, mode: str = "full") -> bool:
     """Switch on the Hugging Face model's own activation checkpointing (non-reentrant) for every Hugging
-    Face model inside ``model``; False when there is none or it does not support it."""
+    Face model inside ``model``, ``full`` or ``selective`` (``parallel/memory/checkpointing.py``'s policy,
+    handed to torch's checkpoint through transformers); False when there is none or it does not support it."""
     found = find_hf_model(model)
     if found is None or not getattr(found[1], "supports_gradient_checkpointing", False):
         return False
     hf = found[1]
-    kwargs = {"use_reentrant": False}
+    kwargs: dict = {"use_reentrant": False}
+    if mode == "selective":
+        from lightning_par.parallel.memory.checkpointing import selective_context
+
+        kwargs["context_fn"] = selective_context
     if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x name
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -1,26 +1,100 @@
-"""Per-block activation checkpointing: each named block keeps only its input during forward and
-recomputes its internals during backward (torch's non-reentrant ``checkpoint_wrapper``)."""
+"""Per-block activation checkpointing (torch's non-reentrant ``checkpoint_wrapper``), full or selective.
+
+- ``full``: each named block keeps only its input during forward and recomputes all of its
+  internals during backward (one extra forward of the block).
+- ``selective``: torch's selective activation checkpointing (``create_selective_checkpoint_contexts``),
+  with an op-level policy as torchtitan's: the outputs of the matmuls and of the fused attention
+  kernels are saved, everything else (norms, activation functions, residual adds, dropout, the math
+  attention's softmax) is recomputed. The matmuls are most of a block's FLOPs, the pointwise ops most of
+  its saved bytes, so it keeps most of the memory saving for a small part of the recomputation.
+
+The strategies' ``activation_checkpointing`` option takes false, true (= full), ``full`` or
+``selective`` (``checkpointing_mode``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cache, partial
+from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+#: what ``activation_checkpointing`` may be set to
+MODES = ("full", "selective")
 
-def apply_activation_checkpointing(model: nn.Module, *, blocks: Iterable[str]) -> int:
+
+def checkpointing_mode(value: Any) -> str | None:
+    """``activation_checkpointing``'s value as a mode: None (off), ``full`` or ``selective``; true is full."""
+    if value is None or value is False or value == "false":
+        return None
+    if value is True or value == "true":
+        return "full"
+    if value in MODES:
+        return str(value)
+    raise ValueError(f"activation_checkpointing must be false, true, full or selective, got {value!r}")
+
+
+@cache
+def _saved_ops() -> frozenset[Any]:
+    """The ops whose outputs selective checkpointing keeps: matmuls and fused attention (those this torch has)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _policy(saved: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> Any:
+    """A fresh pair of selective-checkpointing contexts (``checkpoint``'s ``context_fn``), one per call."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(partial(_policy, _saved_ops()))
+
+
+def checkpointed_blocks(module: nn.Module) -> dict[str, int]:
+    """The modules whose forward is checkpointed, counted by mode (``full`` / ``selective``): our wrappers,
+    and the layers transformers checkpoints itself (its ``GradientCheckpointingLayer`` with checkpointing
+    on) -- what was applied, read from the modules, not from the option."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    out: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, CheckpointWrapper):
+            fn = m.checkpoint_fn
+        elif getattr(m, "gradient_checkpointing", False) and any(
+                c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__):
+            fn = getattr(m, "_gradient_checkpointing_func", None)
+        else:
+            continue
+        mode = "selective" if getattr(fn, "keywords", {}).get("context_fn") is selective_context else "full"
+        out[mode] = out.get(mode, 0) + 1
+    return out
+
+
+def apply_activation_checkpointing(model: nn.Module, *, blocks: Iterable[str], mode: str = "full") -> int:
     """Wrap every module named in ``blocks`` (paths relative to ``model``) in place; returns the count.
 
     The wrapper keeps parameter names unchanged in ``state_dict`` (it strips its own prefix), so
     checkpoints move freely between runs with and without activation checkpointing.
     """
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r}: one of {', '.join(MODES)}")
+    extra = {"context_fn": selective_context} if mode == "selective" else {}
     count = 0
     for path in blocks:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         child = parent.get_submodule(name)
-        wrapped = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        wrapped = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
         if isinstance(parent, (nn.ModuleList, nn.Sequential)):
             parent[int(name)] = wrapped
         else:
