@@ -49,7 +49,7 @@ def _status(pid: int, field: str) -> int:
 @pytest.mark.timeout(120)
 def test_a_forked_ranks_exit_code_reads_the_same_from_every_thread():
     entry = ChildEntry("tests.fault", ("3",))
-    rank = fork_rank(fork_context(entry), entry, dict(os.environ), None, "rank1")
+    rank = fork_rank(entry, dict(os.environ), None, "rank1")
     codes: list[int | None] = []
 
     def poll_until_done() -> None:
@@ -68,7 +68,7 @@ def test_a_forked_ranks_exit_code_reads_the_same_from_every_thread():
 @pytest.mark.timeout(120)
 def test_a_forked_rank_killed_by_a_signal_reads_as_popen_would():
     entry = ChildEntry("tests.fault", ("sleep",))
-    rank = fork_rank(fork_context(entry), entry, dict(os.environ), None, "rank1")
+    rank = fork_rank(entry, dict(os.environ), None, "rank1")
     with pytest.raises(subprocess.TimeoutExpired):
         rank.wait(0.2)
     rank.send_signal(signal.SIGKILL)
@@ -112,15 +112,13 @@ def test_a_dead_fork_server_is_started_again_as_the_first_was():
     from multiprocessing import forkserver
 
     entry = ChildEntry("tests.fault", ("0",))
-    ctx = fork_context(entry)
-    assert fork_rank(ctx, entry, dict(os.environ), None, "rank1").wait(30) == 0
+    assert fork_rank(entry, dict(os.environ), None, "rank1").wait(30) == 0
     old = forkserver._forkserver._forkserver_pid
     os.kill(old, signal.SIGKILL)
     os.waitpid(old, 0)  # dead and reaped (fork_context also finds a dead one not yet reaped)
-    ctx = fork_context(entry)
+    assert fork_rank(entry, dict(os.environ), None, "rank1").wait(30) == 0  # from a server started again
     new = forkserver._forkserver._forkserver_pid
     assert new not in (None, old)
-    assert fork_rank(ctx, entry, dict(os.environ), None, "rank1").wait(30) == 0
     assert _status(new, "SigBlk") & (1 << (signal.SIGTERM - 1)), "the new server does not block SIGTERM"
 
     _stop_server()

@@ -124,25 +124,19 @@ def test_through_transformers_own_checkpointing_the_gradients_are_exact():
     assert kept["full"] < kept["selective"] < kept[None], kept
 
 
+#: (ranks, strategies) of the shared selective-checkpointing sweeps
+SWEEPS = {2: TWO_RANKS, 4: FOUR_RANKS}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy", TWO_RANKS)
-def test_two_ranks_match_single(strategy):
-    s = by_strategy(sweep(f"strategy={','.join(TWO_RANKS)}", "trainer.devices=2",
+@pytest.mark.parametrize("ranks,strategy", [(n, s) for n, names in SWEEPS.items() for s in names])
+def test_selective_checkpointing_matches_single(ranks, strategy):
+    s = by_strategy(sweep(f"strategy={','.join(SWEEPS[ranks])}", f"trainer.devices={ranks}",
                           "strategy.activation_checkpointing=selective"))[strategy]
-    assert s["world_size"] == 2
+    assert s["world_size"] == ranks
     # applied, read from the modules: both blocks of gpt_tiny (rank 0's one under the pipeline)
     assert s["activation_checkpointing"] == {"selective": 1 if strategy == "pipeline" else 2}, s["activation_checkpointing"]
-    assert_losses_match(s, single_refs()[0])
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy", FOUR_RANKS)
-def test_four_ranks_match_single(strategy):
-    s = by_strategy(sweep(f"strategy={','.join(FOUR_RANKS)}", "trainer.devices=4",
-                          "strategy.activation_checkpointing=selective"))[strategy]
-    assert s["world_size"] == 4 and s["activation_checkpointing"] == {"selective": 2}
     assert_losses_match(s, single_refs()[0])
 
 

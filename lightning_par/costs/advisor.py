@@ -479,9 +479,9 @@ def _best(cands: list[Candidate]) -> Candidate:
 def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", optimizer: str = "adamw",
            micro_batch_size: int = 1, checkpointing: bool | None = None, headroom: float = 0.9,
            preset: str | None = None, global_batch: int | None = None, pretrained: str | None = None) -> Advice:
-    """The fastest plan that fits. ``checkpointing``: None prices every plan with and without activation
-    checkpointing and keeps the faster that fits (recomputation costs a forward: a plan that fits without
-    it is not checkpointed); True or False fixes it. ``global_batch``: sequences per optimizer step (None: one
+    """The fastest plan that fits. ``checkpointing``: None prices every plan with no, selective and full
+    activation checkpointing and keeps the fastest that fits (a plan that fits without it is not
+    checkpointed); True (full) or False fixes it. ``global_batch``: sequences per optimizer step (None: one
     ``micro_batch_size`` per device, what data parallelism alone would train). ``preset`` /
     ``pretrained``: how the command names the model (``model=<preset>``; ``model.pretrained=<dir>``,
     the directory ``shape`` was read from), else by its sizes."""

@@ -215,12 +215,14 @@ def _running(pid: int) -> bool:
         return False
 
 
-def fork_rank(ctx: Any, entry: ChildEntry, env: dict[str, str], cwd: str | None, name: str) -> ForkedRank:
-    """Start one rank from the server with its own environment and directory and this process's output."""
+def fork_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, name: str) -> ForkedRank:
+    """Start one rank from the server (``fork_context``: started again here if it died since the last rank)
+    with its own environment and directory and this process's output."""
     import multiprocessing.process
     from multiprocessing import forkserver
 
-    if fork_context(entry) is not ctx:  # the server died since (restarted here as ours) or is not ours
+    ctx = fork_context(entry)
+    if ctx is None:  # a fork server of other code started meanwhile
         raise RuntimeError("the fork server of this process changed while ranks were starting")
     server_pid = forkserver._forkserver._forkserver_pid  # noqa: SLF001
     # not daemonic: a rank may start processes of its own (DataLoader workers)

@@ -249,7 +249,7 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         entry = self.child_command if isinstance(self.child_command, ChildEntry) else None
-        ctx = fork_context(entry) if entry is not None else None
+        forked = entry is not None and fork_context(entry) is not None
         command = entry.command() if entry is not None else self.child_command
         try:
             for local_rank in range(1, self.num_processes):
@@ -259,8 +259,8 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
                 # torch's C++ warnings carry a native stack of ~50 lines; a child's are of a peer gone (rank 0
                 # stopped or failed, and reports why in one line): errors only, unless the user set a level
                 child_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-                if ctx is not None:
-                    self.procs.append(fork_rank(ctx, entry, child_env, self.child_cwd, f"rank{local_rank}"))
+                if forked:
+                    self.procs.append(fork_rank(entry, child_env, self.child_cwd, f"rank{local_rank}"))
                 else:
                     self.procs.append(subprocess.Popen(command, env=child_env, cwd=self.child_cwd,
                                                        preexec_fn=die_with_parent))
