@@ -95,8 +95,8 @@ def test_derived_tp_plans_of_encoder_and_seq2seq_families_match_single(tmp_path:
         rel = max_rel(cell["losses"], ref[f"{fam}/lp_single"]["losses"]) if len(cell.get("losses", [])) == 8 else None
         print(f"  {key:28s} {outcome[key]:10s} max rel {rel} {cell.get('error', '')[:150]}")
     assert all(o == "parity" for o in outcome.values()), outcome
-    # the strategy accepts exactly these (the causal-LM registry walk measures BERT's and RoBERTa's causal heads)
-    assert VERIFIED_TP_OTHER_FAMILIES | ({"bert", "roberta"} & VERIFIED_TP_FAMILIES) == set(FAMILIES)
+    # the strategy accepts exactly these (the causal-LM registry walk measures BERT's, RoBERTa's and BART's causal heads)
+    assert VERIFIED_TP_OTHER_FAMILIES | ({"bert", "roberta", "bart"} & VERIFIED_TP_FAMILIES) == set(FAMILIES)
 
 
 # ---------------------------------------------------------------------------------------------

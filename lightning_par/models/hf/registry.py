@@ -21,6 +21,17 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             # rotary and multi-head latent attention sizes that fit a head of 16
             rotary_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32)
 
+#: sizes of the other token mixers and side tables (Mamba-2 and linear-attention heads, per-layer
+#: embeddings, sparse-attention indexers), handed only to a family whose config has the field: their
+#: defaults (128 Mamba heads of state 256 in chunks of 256, a 262,144-entry per-layer table) made a
+#: "tiny" hybrid model train 30-60x slower than a tiny transformer
+TINY_IF_PRESENT = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, mamba_d_ssm=128,
+                       mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, chunk_size=16,
+                       linear_num_heads=4, linear_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16,
+                       vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, index_n_heads=4,
+                       index_head_dim=16, ffn_dim=128, encoder_ffn_dim=128, decoder_ffn_dim=128)
+
 
 def causal_lm_types() -> list[str]:
     """Every ``model_type`` in transformers' ``AutoModelForCausalLM`` mapping, sorted."""
@@ -41,8 +52,10 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     from transformers import AutoConfig, CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    derived = {k for k in TINY if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None}
-    return AutoConfig.for_model(model_type, **{**{k: v for k, v in TINY.items() if k not in derived}, **overrides})
+    default = default_config(model_type)
+    sizes = {**TINY, **{k: v for k, v in TINY_IF_PRESENT.items() if getattr(default, k, None) not in (None, "auto")}}
+    derived = {k for k in sizes if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None}
+    return AutoConfig.for_model(model_type, **{**{k: v for k, v in sizes.items() if k not in derived}, **overrides})
 
 
 def declared_tp_plan(model_type: str) -> dict[str, str]:

@@ -10,9 +10,9 @@ mixer) would otherwise train a different model without a word. Families that dec
 one derived (``hf/tp_derive.py``: GPT-2, OPT, BERT, RoBERTa, BART) are measured and gated the same way.
 Measured with transformers 5.24.
 
-Families outside that walk -- not causal LMs (T5, ViT), larger than its size limit at its tiny sizes
-(BART: twelve 4096-wide decoder layers by default), or built there in a layout tp cannot split (Falcon's
-default ``multi_query``: one key/value head) -- are measured by ``tests/test_encoder_tp.py``
+Families outside that walk -- not causal LMs (T5, ViT; BART's seq2seq model, whose causal-LM head the
+walk measures) or built there in a layout tp cannot split (Falcon's default ``multi_query``: one
+key/value head) -- are measured by ``tests/test_encoder_tp.py``
 instead (``VERIFIED_TP_OTHER_FAMILIES``): the derived plan trains 8 steps under ``lp_tensor_parallel``
 (and T5 under ``lp_fsdp_tp``) with losses within rtol 1e-5 of ``lp_single``, and every parameter of
 each head class the derivation covers within 2e-5 of the unsplit model after 4 steps.
@@ -24,7 +24,7 @@ from __future__ import annotations
 MEASURED_WITH = "5.24."
 
 VERIFIED_TP_FAMILIES = frozenset({
-    "afmoe", "arcee", "aria_text", "beam", "bert", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm",
+    "afmoe", "arcee", "aria_text", "bart", "beam", "bert", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm",
     "deepseek_v2", "deepseek_v4", "diffllama", "dory", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint",
     "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gptj", "granite",
     "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
