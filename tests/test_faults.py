@@ -82,7 +82,7 @@ def test_dead_rank_fails_only_its_job(killed_rank_sweep):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks fork from a fork server on Linux")
 def test_a_forked_rank_starts_as_a_started_one_would(killed_rank_sweep):
-    """Rank 1 of a CPU job is forked from the launcher's fork server (strategies/fork_ranks.py), yet it
+    """Rank 1 of a CPU job is forked from the launcher's fork server (core/fork_ranks.py), yet it
     begins as a fresh rank would: Lightning's rank-zero state is its own rank (the server imported Lightning
     as rank 0), SIGTERM is neither ignored nor blocked (the server blocks it), and multiprocessing's start
     method is rank 0's (the fork machinery set it to forkserver)."""

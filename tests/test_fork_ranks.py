@@ -1,4 +1,4 @@
-"""The fork-server start of ranks 1..N-1 (strategies/fork_ranks.py) and the launcher's start of them,
+"""The fork-server start of ranks 1..N-1 (core/fork_ranks.py) and the launcher's start of them,
 in-process: exit codes read once under concurrent polls, a signal's exit as ``-signal``, and a rank that
 cannot start ends the ranks already started. (What a forked rank inherits, and that it dies with its
 launcher and survives a SIGTERM to the process group, is shown by real runs in test_faults.py.)"""
@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from lightning_par.strategies.fork_ranks import ChildEntry, fork_context, fork_rank
+from lightning_par.core.fork_ranks import ChildEntry, fork_context, fork_rank
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks fork from a fork server on Linux")
 

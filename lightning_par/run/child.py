@@ -1,5 +1,5 @@
 """Entry of ranks 1..N-1 started by lightning_par's launcher: ``python -m lightning_par.run.child CONFIG``,
-or its ``main`` in a rank forked from the launcher's fork server (a CPU job: ``strategies/fork_ranks.py``).
+or its ``main`` in a rank forked from the launcher's fork server (a CPU job: ``core/fork_ranks.py``).
 
 It trains the one job described by the resolved config file (no Hydra, no sweep); the launcher has
 set LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. The launching process checked

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from lightning_par import ConfigError
-from lightning_par.data.sampler import micro_batch_size  # noqa: F401 -- the one rule, a data fact
 
 
 def torchrun_world() -> tuple[int, int] | None:
@@ -29,6 +28,15 @@ def torchrun_world() -> tuple[int, int] | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return local, max(1, world // max(1, local))
+
+
+def micro_batch_size(global_batch_size: int, dp_size: int, accumulate: int = 1) -> int:
+    """The per-rank batch of one forward/backward: the one rule is a data fact (``data/sampler.py``),
+    imported here when asked, so that this module stays light (the app reads the world size before it
+    imports Lightning, ``cli._prestart_fork_server``)."""
+    from lightning_par.data.sampler import micro_batch_size as rule
+
+    return rule(global_batch_size, dp_size, accumulate)
 
 
 def accelerator(trainer_cfg: Any) -> str:

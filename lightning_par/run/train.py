@@ -9,7 +9,7 @@ into it is refused) and checks that the
 output and checkpoint directories are writable. For multi-process runs started here (not by
 torchrun or Slurm), the resolved config is written next to the run's Hydra files, one file per run,
 and ranks 1..N-1 start as ``python -m lightning_par.run.child <that file>`` would (for a CPU job forked
-from a server that imported it, ``strategies/fork_ranks.py``) -- which is why Hydra multirun works
+from a server that imported it, ``core/fork_ranks.py``) -- which is why Hydra multirun works
 (see ``strategies/launcher.py``).
 """
 
@@ -41,7 +41,7 @@ from lightning_par.core.jobs import claim_run_dir, clear_failure, global_rank
 from lightning_par.parallel.contract import input_kind_of
 from lightning_par.parallel.elastic import init_elastic_process_group
 from lightning_par.strategies.checkpoint.dcp import check_checkpoint
-from lightning_par.strategies.fork_ranks import ChildEntry
+from lightning_par.core.fork_ranks import CHILD_MODULE, ChildEntry
 
 PRECISIONS = tuple(p for p in typing.get_args(_PRECISION_INPUT_STR) if not p.startswith("transformer"))
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK",
@@ -247,7 +247,7 @@ def train(cfg: DictConfig, *, child: bool = False) -> dict[str, Any] | None:
             check_checkpoint(resolve_ckpt_path(cfg.get("ckpt_path"), out_dir, ckpt_dirs))
         if world > 1 and not child and not launched_externally():
             config_path = _write_child_config(cfg, out_dir)
-            entry = ChildEntry("lightning_par.run.child", (config_path,))
+            entry = ChildEntry(CHILD_MODULE, (config_path,))
             # a CPU job's ranks fork from a preloaded server; a GPU job's start as commands (fork_ranks.py)
             strategy.child_command = entry if _accelerator(cfg) == "cpu" else entry.command()
             strategy.child_cwd = os.getcwd()

@@ -50,7 +50,7 @@ from lightning_par.parallel.sharding.sync_batchnorm import convert_sync_batchnor
 from lightning_par.parallel.memory.checkpointing import checkpointed_blocks, checkpointing_mode
 from lightning_par.parallel.memory.tiling import check_tiling
 from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
-from lightning_par.strategies.fork_ranks import ChildEntry
+from lightning_par.core.fork_ranks import ChildEntry
 
 # LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
 # call submodules directly instead of ``self(...)``

@@ -43,7 +43,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_par.strategies.fork_ranks import ChildEntry, die_with_parent, fork_context, fork_rank
+from lightning_par.core.fork_ranks import ChildEntry, die_with_parent, fork_context, fork_rank
 
 # seconds the children get to finish after rank 0's work returned, after an error every rank raised
 # alike, and after rank 0 failed on its own (they wait in a collective for it: NCCL's is aborted; gloo's

@@ -9,7 +9,8 @@ job of a sweep after the first starts its ranks at once.
 A fork carries the server's state, not a fresh interpreter's. What a rank must not keep, and where it
 is undone (``_enter_rank``):
 
-- the environment, working directory and ``sys.argv``: the rank's own are applied, as a command's would be;
+- the environment, working directory and ``sys.argv``: the rank's own are applied, as a command's would be
+  (torch's thread count too, from the rank's ``OMP_NUM_THREADS``, which the server may have read before);
 - Lightning's rank-zero state: ``rank_zero_only.rank`` was set from the environment when the server
   imported Lightning (rank 0 there), so rank 1 would log and write as rank 0 until the Trainer set it;
 - the server blocks SIGTERM (below): the rank unblocks it, so that our run guard (or death) follows a
@@ -29,8 +30,9 @@ As with any ``multiprocessing`` start other than fork, each rank imports the lau
 ``__main__`` module again (as ``__mp_main__``): a script that calls ``train()`` must guard its entry with
 ``if __name__ == "__main__"`` (run.py and the console scripts do). A rank's stdin is /dev/null.
 
-The server starts with the launching process's environment at its first job, so what torch reads when it
-loads (``TORCH_CPP_LOG_LEVEL``) is fixed for the process's jobs; each rank's environment is its own. One
+The server starts with the launching process's environment at its first job (the app starts it as soon as
+the config says the job forks, ``cli._prestart_fork_server``, so that its imports run beside rank 0's), so
+what torch reads when it loads (``TORCH_CPP_LOG_LEVEL``) is fixed for the process's jobs; each rank's environment is its own. One
 fork server runs per process (``multiprocessing``'s): where one that this module did not start already runs
 (started by other code for its own workers, with other preloads and signal handling), ranks start as
 commands. Only CPU jobs on Linux fork (``launcher.ChildCommandLauncher``; ``PR_SET_PDEATHSIG``, which ends
@@ -50,6 +52,8 @@ from typing import Any
 
 #: the pid of the fork server this module started (None: none yet); a server of other code is not reused
 _ours: int | None = None
+#: the module a CPU job's ranks run (``python -m lightning_par.run.child CONFIG``), preloaded by the server
+CHILD_MODULE = "lightning_par.run.child"
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,10 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
     sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=bool(env.get("PYTHONUNBUFFERED")))
     if cwd:
         os.chdir(cwd)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # the server's torch may have sized its pool already
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     rank_zero_only.rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
     sys.argv = [entry.module, *entry.argv]
     importlib.import_module(entry.module).main(list(entry.argv))
@@ -183,7 +191,7 @@ def fork_context(entry: ChildEntry) -> Any:
         if pid is not None:  # ours died (killed): forget it as multiprocessing would, and start a new one
             os.close(server._forkserver_alive_fd)  # noqa: SLF001
             server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None  # noqa: SLF001
-    ctx.set_forkserver_preload(["lightning_par.strategies.fork_server", __name__, entry.module,
+    ctx.set_forkserver_preload(["lightning_par.core.fork_server", __name__, entry.module,
                                 "lightning_par.run.train"])
     level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     # torch's C++ warnings carry a native stack of ~50 lines; a rank's are of a peer gone (rank 0 stopped or
