@@ -125,3 +125,72 @@ def test_a_dead_fork_server_is_started_again_as_the_first_was():
     multiprocessing.get_context("forkserver").set_forkserver_preload(["os"])
     forkserver.ensure_running()  # as tools/prepare.py or tests/dist.py start one for their own workers
     assert fork_context(entry) is None  # not ours: ranks start as commands
+
+
+USER_SCRIPT = '''
+import atexit, json, multiprocessing, os, sys
+from pathlib import Path
+import torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+import lightning_par.strategies  # registers lp_ddp
+
+out = Path(sys.argv[1])
+# no __main__ guard: what a re-run runs is the whole file, once per rank
+rank = int(os.environ.get("LOCAL_RANK", "0"))
+with open(out / f"top-level-{rank}", "a") as f:
+    f.write(f"{os.getpid()} {__name__}\\n")
+atexit.register(lambda: (out / f"atexit-{rank}").write_text("ran"))
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Record(L.Callback):
+    def on_train_end(self, trainer, module):
+        state = {"forked": multiprocessing.parent_process() is not None, "argv": sys.argv[1:],
+                 "file": __file__, "steps": trainer.global_step, "rank": trainer.global_rank}
+        (out / f"state-{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+trainer = L.Trainer(strategy="lp_ddp", devices=2, accelerator="cpu", max_steps=3, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    callbacks=[Record()])
+trainer.fit(Net(), DataLoader(data, batch_size=4))
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_users_script_is_re_run_on_a_forked_rank_once_as_main(tmp_path):
+    """A user's script with ``Trainer(strategy="lp_ddp", devices=2, accelerator="cpu")`` (Lightning re-runs
+    it on rank 1): rank 1 is a fork of the fork server, runs the script's top level once, as ``__main__``
+    with the same arguments and file (no ``__mp_main__`` import of it first), trains, and runs the script's
+    ``atexit`` handlers as an interpreter's exit would."""
+    script = tmp_path / "user_train.py"
+    script.write_text(USER_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "--an-argument"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    states = {r: json.loads((tmp_path / f"state-{r}.json").read_text()) for r in (0, 1)}
+    assert states[1]["forked"] and not states[0]["forked"], states
+    for r, state in states.items():
+        assert state["steps"] == 3 and state["rank"] == r, states
+        assert state["argv"] == [str(tmp_path), "--an-argument"] and state["file"] == str(script), states
+        runs = (tmp_path / f"top-level-{r}").read_text().splitlines()
+        assert len(runs) == 1 and runs[0].endswith(" __main__"), (r, runs)
+        assert (tmp_path / f"atexit-{r}").read_text() == "ran"

@@ -26,9 +26,11 @@ whole process group must reach the ranks, which stop together at an agreed step,
 whose death would kill every rank before that stop. It ends when the launching process ends (its alive
 pipe closes). SIGINT it ignores already (``multiprocessing``'s own choice).
 
-As with any ``multiprocessing`` start other than fork, each rank imports the launching script's
-``__main__`` module again (as ``__mp_main__``): a script that calls ``train()`` must guard its entry with
-``if __name__ == "__main__"`` (run.py and the console scripts do). A rank's stdin is /dev/null.
+A rank does not import the launching script again as ``__mp_main__`` (what ``multiprocessing`` does for
+starts other than fork; ``_main_not_reimported``): a user's script re-run on every rank (``how="script"``)
+runs once in a rank, as ``__main__``, as Lightning's re-run of it would. A rank's stdin is /dev/null, and
+it runs the ``atexit`` handlers its entry registered before it ends (``multiprocessing`` ends it with
+``os._exit``).
 
 The server starts with the launching process's environment at its first job (the app starts it as soon as
 the config says the job forks, ``cli._prestart_fork_server``, so that its imports run beside rank 0's), so
@@ -47,6 +49,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,13 +62,35 @@ CHILD_MODULE = "lightning_par.run.child"
 
 @dataclass(frozen=True)
 class ChildEntry:
-    """How ranks 1..N-1 of a job start: ``module.main(argv)``, as ``python -m module *argv`` would."""
+    """How ranks 1..N-1 of a job start. ``how="main"``: ``module.main(argv)``, as ``python -m module *argv``
+    would (the app's ranks). A user's script that Lightning re-runs on every rank: ``how="script"``, the
+    file ``module`` run as ``__main__`` with ``argv`` (``python FILE *argv``); ``how="module"``, the module
+    run as ``__main__`` (``python -m module *argv``)."""
 
     module: str
     argv: tuple[str, ...]
+    how: str = "main"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", self.module, *self.argv]
+        head = [self.module] if self.how == "script" else ["-m", self.module]
+        return [sys.executable, *head, *self.argv]
+
+    def preload(self) -> list[str]:
+        """What the server imports once for every rank: the app's child and its training code; for a
+        user's script, the heavy modules its launching process imported (the script itself runs in each
+        rank, as a re-run would: its top-level code is the user's, not the server's)."""
+        if self.how == "main":
+            return [self.module, "lightning_par.run.train"]
+        return [m for m in ("torch", "lightning", "transformers", "lightning_par.strategies") if m in sys.modules]
+
+
+def script_entry() -> ChildEntry:
+    """This process's script as Lightning re-runs it on ranks 1..N-1 (its ``_basic_subprocess_cmd``)."""
+    import __main__
+
+    if __main__.__spec__ is None:
+        return ChildEntry(os.path.abspath(sys.argv[0]), tuple(sys.argv[1:]), how="script")
+    return ChildEntry(__main__.__spec__.name, tuple(sys.argv[1:]), how="module")
 
 
 class ForkedRank:
@@ -134,8 +160,10 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
                 server_pid: int) -> None:
     """A forked rank's first code: undo what the fork carried over from the server (module docstring),
     then run the entry's ``main``."""
+    import atexit
     import importlib
     import multiprocessing
+    import runpy
     from multiprocessing import forkserver
 
     from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -164,8 +192,18 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     rank_zero_only.rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
-    sys.argv = [entry.module, *entry.argv]
-    importlib.import_module(entry.module).main(list(entry.argv))
+    try:
+        if entry.how == "main":
+            sys.argv = [entry.module, *entry.argv]
+            importlib.import_module(entry.module).main(list(entry.argv))
+        elif entry.how == "script":  # as ``python FILE`` (sys.path is the launcher's: the file's folder first)
+            sys.argv = [entry.module, *entry.argv]
+            runpy.run_path(entry.module, run_name="__main__")
+        else:
+            sys.argv = [entry.module, *entry.argv]
+            runpy.run_module(entry.module, run_name="__main__", alter_sys=True)
+    finally:  # a multiprocessing child ends in os._exit: run what an interpreter's exit would
+        atexit._run_exitfuncs()
 
 
 def fork_context(entry: ChildEntry) -> Any:
@@ -191,8 +229,7 @@ def fork_context(entry: ChildEntry) -> Any:
         if pid is not None:  # ours died (killed): forget it as multiprocessing would, and start a new one
             os.close(server._forkserver_alive_fd)  # noqa: SLF001
             server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None  # noqa: SLF001
-    ctx.set_forkserver_preload(["lightning_par.core.fork_server", __name__, entry.module,
-                                "lightning_par.run.train"])
+    ctx.set_forkserver_preload(["lightning_par.core.fork_server", __name__, *entry.preload()])
     level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     # torch's C++ warnings carry a native stack of ~50 lines; a rank's are of a peer gone (rank 0 stopped or
     # failed, and says why in one line): errors only, unless the user set a level
@@ -223,6 +260,34 @@ def _running(pid: int) -> bool:
         return False
 
 
+_prep_lock = threading.Lock()
+
+
+@contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """While a rank starts: multiprocessing's start data without the launching process's ``__main__``.
+
+    multiprocessing would have the rank import the launching script as ``__mp_main__`` (for pickled
+    objects of ``__main__``; a rank's arguments hold none), running its top-level code before the rank
+    runs its entry: for a user's script without a ``__main__`` guard, the whole job once more, and then
+    again as ``__main__`` (``how="script"``). A rank runs the script once, as Lightning's re-run does."""
+    from multiprocessing import spawn
+
+    def without_main(name: str) -> dict:
+        data = original(name)
+        for key in ("init_main_from_path", "init_main_from_name"):
+            data.pop(key, None)
+        return data
+
+    with _prep_lock:
+        original = spawn.get_preparation_data
+        spawn.get_preparation_data = without_main
+        try:
+            yield
+        finally:
+            spawn.get_preparation_data = original
+
+
 def fork_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, name: str) -> ForkedRank:
     """Start one rank from the server (``fork_context``: started again here if it died since the last rank)
     with its own environment and directory and this process's output."""
@@ -236,7 +301,8 @@ def fork_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, name: str
     # not daemonic: a rank may start processes of its own (DataLoader workers)
     process = ctx.Process(target=_enter_rank, args=(entry, env, cwd, _InheritedFd(1), _InheritedFd(2), server_pid),
                           name=name, daemon=False)
-    process.start()
+    with _main_not_reimported():
+        process.start()
     # multiprocessing polls its children's exit codes whenever it starts a process (``_cleanup``, e.g. for a
     # DataLoader worker of rank 0): the code is read from a pipe once, and ForkedRank reads it under a lock
     multiprocessing.process._children.discard(process)  # noqa: SLF001

@@ -224,8 +224,11 @@ class ParStrategyMixin:
     def _make_launcher(self) -> _SubprocessScriptLauncher:
         from lightning_par.strategies.launcher import ChildCommandLauncher
 
+        from lightning.pytorch.accelerators import CPUAccelerator
+
         return ChildCommandLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                    child_command=self.child_command, child_cwd=self.child_cwd)
+                                    child_command=self.child_command, child_cwd=self.child_cwd,
+                                    fork_script=isinstance(self.accelerator, CPUAccelerator))
 
     # ---------------------------------------------------------------------- the model
     @contextmanager

@@ -10,7 +10,9 @@ in this job's output directory, with no Hydra sweep at all. For a CPU job the ra
 interpreters but forks of a server that imported those modules once (``fork_ranks.py``: a rank starts in a
 fraction of a second instead of 4-8 s of imports). Without a command (a user's own
 script), the children are Lightning's re-runs of the script: they live until the script ends, so
-several ``fit``/``test`` calls in one script share them, as with Lightning's own launcher.
+several ``fit``/``test`` calls in one script share them, as with Lightning's own launcher. On a CPU
+job outside Hydra those re-runs are forks of the same server too (the script runs in each as
+``__main__``; its heavy imports are the server's).
 
 A job owns its children from start to end, on every exit path:
 
@@ -43,7 +45,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_par.core.fork_ranks import ChildEntry, die_with_parent, fork_context, fork_rank
+from lightning_par.core.fork_ranks import ChildEntry, die_with_parent, fork_context, fork_rank, script_entry
 
 # seconds the children get to finish after rank 0's work returned, after an error every rank raised
 # alike, and after rank 0 failed on its own (they wait in a collective for it: NCCL's is aborted; gloo's
@@ -148,8 +150,11 @@ class _JobObserver(_ChildProcessObserver):
 
 class ChildCommandLauncher(_SubprocessScriptLauncher):
     def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
-                 child_command: ChildEntry | Sequence[str] | None = None, child_cwd: str | None = None) -> None:
+                 child_command: ChildEntry | Sequence[str] | None = None, child_cwd: str | None = None,
+                 fork_script: bool = False) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
+        #: without a command (a user's script): whether its re-runs are forked (a CPU job) or started
+        self.fork_script = fork_script
         #: a ChildEntry (forked from the fork server where the platform has one), or a command started as it is
         self.child_command = child_command if child_command is None or isinstance(child_command, ChildEntry) \
             else list(child_command)
@@ -238,7 +243,7 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
                 proc.wait()
 
     def _call_children_scripts(self) -> None:
-        if self.child_command is None:
+        if self.child_command is None and not self._forks_script():
             return super()._call_children_scripts()
         self._check_can_spawn_children()
         self.procs = []
@@ -249,6 +254,9 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         entry = self.child_command if isinstance(self.child_command, ChildEntry) else None
+        cwd = self.child_cwd
+        if self.child_command is None:  # a user's script, re-run on each rank as Lightning's launcher does
+            entry, cwd = script_entry(), os.getcwd()
         forked = entry is not None and fork_context(entry) is not None
         command = entry.command() if entry is not None else self.child_command
         try:
@@ -260,10 +268,9 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
                 # stopped or failed, and reports why in one line): errors only, unless the user set a level
                 child_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
                 if forked:
-                    self.procs.append(fork_rank(entry, child_env, self.child_cwd, f"rank{local_rank}"))
+                    self.procs.append(fork_rank(entry, child_env, cwd, f"rank{local_rank}"))
                 else:
-                    self.procs.append(subprocess.Popen(command, env=child_env, cwd=self.child_cwd,
-                                                       preexec_fn=die_with_parent))
+                    self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, preexec_fn=die_with_parent))
         except BaseException:
             # a rank that could not start (no memory, no process slots, the server gone): the ranks already
             # started would wait in the rendezvous for it until its timeout
@@ -272,6 +279,21 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
                 proc.wait()
             raise
         return None
+
+
+    def _forks_script(self) -> bool:
+        """Whether a user's script is re-run on ranks 1..N-1 as forks of the fork server: a CPU job outside
+        Hydra (whose re-runs Lightning starts with Hydra's run directory on the command line) on Linux.
+        Everything else is Lightning's own start of the re-runs."""
+        import sys
+
+        if not (self.fork_script and sys.platform.startswith("linux")):
+            return False
+        try:
+            from hydra.core.hydra_config import HydraConfig
+        except ImportError:
+            return True
+        return not HydraConfig.initialized()
 
 
 def _rank_failure(rank: int, code: int, output_dir: str | None) -> str:
