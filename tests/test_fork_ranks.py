@@ -169,6 +169,10 @@ trainer = L.Trainer(strategy="lp_ddp", devices=2, accelerator="cpu", max_steps=3
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     callbacks=[Record()])
 trainer.fit(Net(), DataLoader(data, batch_size=4))
+if rank == 1:  # work of its own after the last collective: rank 0's process ends first and must wait for it
+    import time
+    time.sleep(2.0)
+    (out / "after-fit-1").write_text("done")
 '''
 
 
@@ -177,7 +181,8 @@ def test_a_users_script_is_re_run_on_a_forked_rank_once_as_main(tmp_path):
     """A user's script with ``Trainer(strategy="lp_ddp", devices=2, accelerator="cpu")`` (Lightning re-runs
     it on rank 1): rank 1 is a fork of the fork server, runs the script's top level once, as ``__main__``
     with the same arguments and file (no ``__mp_main__`` import of it first), trains, and runs the script's
-    ``atexit`` handlers as an interpreter's exit would."""
+    ``atexit`` handlers as an interpreter's exit would; rank 0's process, which ends first, waits for rank 1
+    to finish what it does after the last collective (a forked rank dies with the launching process)."""
     script = tmp_path / "user_train.py"
     script.write_text(USER_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -194,3 +199,34 @@ def test_a_users_script_is_re_run_on_a_forked_rank_once_as_main(tmp_path):
         runs = (tmp_path / f"top-level-{r}").read_text().splitlines()
         assert len(runs) == 1 and runs[0].endswith(" __main__"), (r, runs)
         assert (tmp_path / f"atexit-{r}").read_text() == "ran"
+    assert (tmp_path / "after-fit-1").read_text() == "done"  # rank 0's exit waited for rank 1's own end
+
+
+def _can_be_pid_1() -> bool:
+    import shutil
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-pf", "--mount-proc", sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, timeout=30)
+    return probe.returncode == 0 and probe.stdout.strip() == "1"
+
+
+@pytest.mark.timeout(180)
+def test_a_launcher_that_is_pid_1_forks_its_ranks(tmp_path):
+    """In a container without an init process the launching process is pid 1: the fork server, whose
+    parent it is, must not take that for its launcher having died (it checked ``getppid() == 1``)."""
+    if not _can_be_pid_1():
+        pytest.skip("needs unshare -pf (a new pid namespace), which this machine does not allow")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["unshare", "-pf", "--mount-proc", sys.executable, str(root / "run.py"), "experiment=quick",
+                           "strategy=ddp", "trainer.devices=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"],
+                          cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["world_size"] == 2, summary

@@ -56,6 +56,8 @@ from typing import Any
 
 #: the pid of the fork server this module started (None: none yet); a server of other code is not reused
 _ours: int | None = None
+#: the environment variable that tells the server its launching process's pid (``fork_server.py``)
+LAUNCHER_PID = "LIGHTNING_PAR_FORK_LAUNCHER"
 #: the module a CPU job's ranks run (``python -m lightning_par.run.child CONFIG``), preloaded by the server
 CHILD_MODULE = "lightning_par.run.child"
 
@@ -159,11 +161,12 @@ def _received_fd(dup: Any) -> int:
 def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout: int, stderr: int,
                 server_pid: int) -> None:
     """A forked rank's first code: undo what the fork carried over from the server (module docstring),
-    then run the entry's ``main``."""
+    then run the entry (``ChildEntry.how``)."""
     import atexit
     import importlib
     import multiprocessing
     import runpy
+    import types
     from multiprocessing import forkserver
 
     from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -187,7 +190,8 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
     sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=bool(env.get("PYTHONUNBUFFERED")))
     if cwd:
         os.chdir(cwd)
-    if env.get("OMP_NUM_THREADS", "").isdigit():  # the server's torch may have sized its pool already
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:  # the server's torch may
+        # have sized its pool already
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -196,12 +200,18 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
         if entry.how == "main":
             sys.argv = [entry.module, *entry.argv]
             importlib.import_module(entry.module).main(list(entry.argv))
-        elif entry.how == "script":  # as ``python FILE`` (sys.path is the launcher's: the file's folder first)
+        elif entry.how == "script":  # as ``python FILE`` (sys.path is the launcher's: the file's folder first);
+            # the script's module stays ``__main__`` to the end (its atexit handlers may pickle its classes)
             sys.argv = [entry.module, *entry.argv]
-            runpy.run_path(entry.module, run_name="__main__")
-        else:
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__file__ = entry.module
+            with open(entry.module, "rb") as f:
+                code = compile(f.read(), entry.module, "exec")
+            exec(code, main.__dict__)  # noqa: S102 -- the user's own script, as ``python FILE`` runs it
+        else:  # as ``python -m module`` (runpy's own entry for it, which leaves the module as ``__main__``)
             sys.argv = [entry.module, *entry.argv]
-            runpy.run_module(entry.module, run_name="__main__", alter_sys=True)
+            sys.modules["__main__"] = types.ModuleType("__main__")  # runpy runs it in __main__'s namespace
+            runpy._run_module_as_main(entry.module, alter_argv=True)  # noqa: SLF001
     finally:  # a multiprocessing child ends in os._exit: run what an interpreter's exit would
         atexit._run_exitfuncs()
 
@@ -216,7 +226,9 @@ def fork_context(entry: ChildEntry) -> Any:
     from multiprocessing import forkserver
 
     global _ours
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        # the server dies with the thread that started it (PR_SET_PDEATHSIG follows the thread): a fit in a
+        # worker thread (a hyperparameter search's) starts its ranks as commands
         return None
     ctx = mp.get_context("forkserver")
     server = forkserver._forkserver  # noqa: SLF001 -- whether it runs already (the preload applies at its start)
@@ -237,11 +249,13 @@ def fork_context(entry: ChildEntry) -> Any:
     sys.stdout.flush()
     sys.stderr.flush()
     devnull, saved = os.open(os.devnull, os.O_RDWR), (os.dup(1), os.dup(2))
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the server's parent, checked there (fork_server.py)
     try:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
         server.ensure_running()
     finally:
+        os.environ.pop(LAUNCHER_PID, None)
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in (devnull, *saved):
@@ -273,10 +287,13 @@ def _main_not_reimported() -> Iterator[None]:
     again as ``__main__`` (``how="script"``). A rank runs the script once, as Lightning's re-run does."""
     from multiprocessing import spawn
 
+    starter = threading.get_ident()
+
     def without_main(name: str) -> dict:
         data = original(name)
-        for key in ("init_main_from_path", "init_main_from_name"):
-            data.pop(key, None)
+        if threading.get_ident() == starter:  # another thread's start (while this one waits) is left alone
+            for key in ("init_main_from_path", "init_main_from_name"):
+                data.pop(key, None)
         return data
 
     with _prep_lock:

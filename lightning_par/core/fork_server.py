@@ -12,9 +12,9 @@ preloads."""
 import os
 import signal
 
-from lightning_par.core.fork_ranks import die_with_parent
+from lightning_par.core.fork_ranks import LAUNCHER_PID, die_with_parent
 
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 die_with_parent()
-if os.getppid() == 1:  # the launcher died before that was set
-    os._exit(1)
+if os.environ.get(LAUNCHER_PID) not in (None, str(os.getppid())):  # the launcher died before that was set
+    os._exit(1)  # (compared with its pid, not with 1: in a container the launcher may be pid 1 itself)

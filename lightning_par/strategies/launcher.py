@@ -271,6 +271,12 @@ class ChildCommandLauncher(_SubprocessScriptLauncher):
                     self.procs.append(fork_rank(entry, child_env, cwd, f"rank{local_rank}"))
                 else:
                     self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, preexec_fn=die_with_parent))
+            if forked and self.child_command is None:
+                # a user's script: its re-runs outlive this fit as Lightning's commands do, but a forked one
+                # dies with this process (the server follows it), so this process waits for them at its exit
+                import atexit
+
+                atexit.register(self.reap, _GRACE_OK_S)
         except BaseException:
             # a rank that could not start (no memory, no process slots, the server gone): the ranks already
             # started would wait in the rendezvous for it until its timeout
