@@ -367,9 +367,9 @@ def _prestart_fork_server(cfg: DictConfig) -> None:
     imports Lightning (checking the config imports it): the server imports the same modules beside it,
     instead of after it while rank 0 waits (3.8 s of a 2-rank ``experiment=quick`` run's 10.8 s on an idle
     2-core machine). A config refused next ends this process, and the server with it (``fork_server.py``).
-    Only an optimisation: the conditions are
-    the launcher's (``run/train.py``) taken conservatively -- under torchrun or Slurm, or on a GPU, nothing
-    starts here, and where a server was not started here the launcher starts it as before."""
+    Only an optimisation: the conditions are the launcher's (``run/train.py``) taken conservatively --
+    under torchrun or Slurm, or on a GPU, nothing starts here, and where a server was not started here the
+    launcher starts it as before."""
     if cfg.get("mode") != "train" or any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS")):
         return
     from lightning_par.run import facts

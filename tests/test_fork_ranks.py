@@ -6,11 +6,13 @@ launcher and survives a SIGTERM to the process group, is shown by real runs in t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -189,8 +191,6 @@ def test_a_users_script_is_re_run_on_a_forked_rank_once_as_main(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), "--an-argument"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     states = {r: json.loads((tmp_path / f"state-{r}.json").read_text()) for r in (0, 1)}
     assert states[1]["forked"] and not states[0]["forked"], states
     for r, state in states.items():
@@ -218,15 +218,11 @@ def test_a_launcher_that_is_pid_1_forks_its_ranks(tmp_path):
     parent it is, must not take that for its launcher having died (it checked ``getppid() == 1``)."""
     if not _can_be_pid_1():
         pytest.skip("needs unshare -pf (a new pid namespace), which this machine does not allow")
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(["unshare", "-pf", "--mount-proc", sys.executable, str(root / "run.py"), "experiment=quick",
                            "strategy=ddp", "trainer.devices=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"],
                           cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["world_size"] == 2, summary

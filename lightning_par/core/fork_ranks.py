@@ -34,7 +34,8 @@ it runs the ``atexit`` handlers its entry registered before it ends (``multiproc
 
 The server starts with the launching process's environment at its first job (the app starts it as soon as
 the config says the job forks, ``cli._prestart_fork_server``, so that its imports run beside rank 0's), so
-what torch reads when it loads (``TORCH_CPP_LOG_LEVEL``) is fixed for the process's jobs; each rank's environment is its own. One
+what torch reads when it loads (``TORCH_CPP_LOG_LEVEL``) is fixed for the process's jobs; each rank's
+environment is its own. Only the main thread starts a server (it dies with the thread that started it). One
 fork server runs per process (``multiprocessing``'s): where one that this module did not start already runs
 (started by other code for its own workers, with other preloads and signal handling), ranks start as
 commands. Only CPU jobs on Linux fork (``launcher.ChildCommandLauncher``; ``PR_SET_PDEATHSIG``, which ends
@@ -190,26 +191,25 @@ def _enter_rank(entry: ChildEntry, env: dict[str, str], cwd: str | None, stdout:
     sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=bool(env.get("PYTHONUNBUFFERED")))
     if cwd:
         os.chdir(cwd)
-    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:  # the server's torch may
-        # have sized its pool already
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # the server's torch may have sized its pool already
         import torch
 
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        torch.set_num_threads(int(threads))
     rank_zero_only.rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
+    sys.argv = [entry.module, *entry.argv]
     try:
         if entry.how == "main":
-            sys.argv = [entry.module, *entry.argv]
             importlib.import_module(entry.module).main(list(entry.argv))
         elif entry.how == "script":  # as ``python FILE`` (sys.path is the launcher's: the file's folder first);
-            # the script's module stays ``__main__`` to the end (its atexit handlers may pickle its classes)
-            sys.argv = [entry.module, *entry.argv]
+            # the script's module stays ``__main__`` to the end (its atexit handlers may pickle its classes),
+            # which runpy.run_path would not leave
             main = sys.modules["__main__"] = types.ModuleType("__main__")
             main.__file__ = entry.module
             with open(entry.module, "rb") as f:
                 code = compile(f.read(), entry.module, "exec")
             exec(code, main.__dict__)  # noqa: S102 -- the user's own script, as ``python FILE`` runs it
         else:  # as ``python -m module`` (runpy's own entry for it, which leaves the module as ``__main__``)
-            sys.argv = [entry.module, *entry.argv]
             sys.modules["__main__"] = types.ModuleType("__main__")  # runpy runs it in __main__'s namespace
             runpy._run_module_as_main(entry.module, alter_argv=True)  # noqa: SLF001
     finally:  # a multiprocessing child ends in os._exit: run what an interpreter's exit would
