@@ -5,8 +5,9 @@ torch thread (N ranks share two cores), and a hard timeout: a hung collective fa
 instead of hanging the suite. Return values come back per rank; an exception in any rank is
 re-raised in the parent with that rank's traceback.
 
-The ranks are forked from a fork server (``multiprocessing``'s ``forkserver``, one per pytest worker)
-that imported torch, torch.distributed, lightning_par's techniques and transformers once: a rank starts
+The ranks are forked from a fork server (``multiprocessing``'s ``forkserver``, one per pytest worker,
+shared with the tests' programs: ``tests/launch.py``) that imported torch, torch.distributed,
+lightning_par's techniques and transformers once: a rank starts
 in a fraction of a second instead of importing them again (several seconds of CPU each, on two cores
 shared by every rank of the suite). The server forks from a process that has run no torch operation,
 so no thread pool is copied into a rank.
@@ -46,21 +47,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-#: what the fork server imports before it forks the first rank (those not installed are left out)
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "lightning_par.parallel.parallelize",
-           "transformers", "tests.dist")
+def _context():  # noqa: ANN202 -- the fork server shared with the tests' programs (tests/launch.py)
+    from tests import launch
 
-
-def _context():  # noqa: ANN202
-    import importlib.util
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    from multiprocessing import forkserver
-
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # noqa: SLF001 -- preload applies at start
-        ctx.set_forkserver_preload([m for m in PRELOAD if importlib.util.find_spec(m.split(".")[0]) is not None])
-    return ctx
+    return launch.context()
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:

@@ -1,4 +1,5 @@
-"""Helpers for end-to-end tests: run ``run.py`` in a subprocess with a time limit and read its summary."""
+"""Helpers for end-to-end tests: run ``run.py`` (forked as a command would run, ``tests/launch.py``) with a time
+limit and read its summary."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +43,7 @@ def run_cli(args: list[str], run_dir: Path, timeout: float = 240, check: bool = 
     cmd = [sys.executable, str(ROOT / "run.py"), *args]
     if not any(a.startswith("-m") or a == "--multirun" for a in args):
         cmd.append(f"hydra.run.dir={run_dir}")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = launch.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"run.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")

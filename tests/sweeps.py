@@ -20,11 +20,9 @@ exception"), which an earlier version retried, is the product's to prevent (chil
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from filelock import FileLock
 
+from tests import launch
 from tests.helpers import QUICK, ROOT
 
 
@@ -45,17 +44,15 @@ def _shared_dir() -> Path:
 
 
 def _run_group(cmd: list[str], log: Path, timeout: float) -> int:
-    """Run ``cmd`` in a new process group, output to ``log``; afterwards kill what is left of the group."""
+    """Run ``cmd`` in a session of its own, output to ``log`` (forked, ``tests/launch.py``); afterwards
+    what is left of it is killed; -1: timed out."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return proc.wait(timeout=timeout)
+            return launch.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                              start_new_session=True).returncode
         except subprocess.TimeoutExpired:
             return -1
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def sweep_dir(*args: str, timeout: float = 900) -> Path:

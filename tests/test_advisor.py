@@ -11,7 +11,6 @@ import contextlib
 import io
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ from lightning_par.costs.advisor import Cluster, advise
 from lightning_par.modes.advise import main
 from lightning_par.costs.shape import Shape
 from lightning_par.costs.estimate import GIB, model_shape
+
+from tests import launch
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -194,7 +195,7 @@ def test_answer_fits_and_shows_communication(case, answers):
 
 def test_never_recommends_a_plan_that_does_not_fit():
     # 7B on one 8 GiB device, 16 x 2048 tokens without checkpointing: even offloaded, activations do not fit
-    done = subprocess.run([sys.executable, "-m", "lightning_par.modes.advise", "--model", "gpt_7b", "--devices-per-node",
+    done = launch.run([sys.executable, "-m", "lightning_par.modes.advise", "--model", "gpt_7b", "--devices-per-node",
                            "1", "--device-memory", "8", "--micro-batch-size", "16", "--no-checkpointing"],
                           capture_output=True, text=True, timeout=120)  # the real CLI: its exit code
     assert done.returncode == 2 and "nothing fits" in done.stdout and "lightning-par " not in done.stdout
@@ -303,7 +304,7 @@ def run_scaled(command: str, devices: int, tmp_path: Path) -> str:
     key = tuple(scaled(command, devices))
     if key not in _RUNS:
         args = [*key, f"paths.output_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]  # not outputs/<second>: two at once collide
-        done = subprocess.run([str(BIN / "lightning-par"), *args], capture_output=True, text=True, timeout=300,
+        done = launch.run([str(BIN / "lightning-par"), *args], capture_output=True, text=True, timeout=300,
                               cwd=Path(__file__).resolve().parents[1])
         assert done.returncode == 0, f"{args}\n{done.stderr[-3000:]}"
         _RUNS[key] = done.stdout + done.stderr
@@ -427,7 +428,7 @@ def test_held_out_13b_offload_states_host_memory(answers):
         assert 2 * 90 < need < 2 * 110, out  # 13B x 16 bytes over 2 ranks of one node
     assert "within the 512 GiB stated" in answers["13b-2x24-host-stated"]
     assert "host memory was not stated" in answers["13b-2x24-host-unstated"]
-    done = subprocess.run([sys.executable, "-m", "lightning_par.modes.advise", *CASES["13b-2x24-host-stated"][0][:-1],
+    done = launch.run([sys.executable, "-m", "lightning_par.modes.advise", *CASES["13b-2x24-host-stated"][0][:-1],
                            "128"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "more than the 128 GiB stated" in done.stdout, done.stdout
 
@@ -755,11 +756,11 @@ def test_a_config_the_advisor_cannot_price_says_what_it_is(tmp_path: Path):
 
 def test_advise_console_script(tmp_path: Path):
     """``lightning-par-advise`` is installed (pyproject [project.scripts]) and answers as the module does."""
-    done = subprocess.run([str(BIN / "lightning-par-advise"), "--model", "gpt2", "--devices-per-node", "1",
+    done = launch.run([str(BIN / "lightning-par-advise"), "--model", "gpt2", "--devices-per-node", "1",
                            "--device-memory", "24"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("Recommended: single\nModel: "), done.stdout + done.stderr
     assert "lightning-par strategy=single model=gpt2 " in done.stdout
-    bad = subprocess.run([str(BIN / "lightning-par-advise"), "--config", str(tmp_path / "missing.json")],
+    bad = launch.run([str(BIN / "lightning-par-advise"), "--config", str(tmp_path / "missing.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("lightning-par-advise: error: "
                                                                                   "--config"), bad.stderr

@@ -19,6 +19,7 @@ import yaml
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_par.strategies  # noqa: F401 -- registers the strategies
+from tests import launch
 from tests.helpers import QUICK, ROOT, assert_losses_match
 from lightning_par.costs.comm import TRAFFIC_MODELS, CommShape, step_comm_bytes
 from lightning_par.costs.shape import Shape
@@ -110,7 +111,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(cwd))
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = launch.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 

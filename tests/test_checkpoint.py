@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_par.data import DataParallelSampler
 from lightning_par.models import GPTModule
 from lightning_par.strategies.checkpoint.dcp import CheckpointError, ResumableLoader, canonical_fqn, check_checkpoint, plain
+from tests import launch
 from tests.helpers import QUICK, ROOT, run_cli
 from tests.sweeps import FOUR_RANKS, by_strategy, single_refs, sweep, sweep_dir
 
@@ -197,7 +198,7 @@ def test_checkpoint_holds_only_plain_python_and_tensors(zero3_x2, tmp_path):
 
 
 def _consolidate(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(ckpt),
+    return launch.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(ckpt),
                            "--output_file", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

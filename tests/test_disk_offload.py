@@ -14,7 +14,6 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import launch
 from tests.helpers import QUICK, ROOT, run_cli
 
 STEPS = 12
@@ -105,7 +105,7 @@ def test_full_disk_is_one_line_and_leaves_the_checkpoint_whole(sweep_runs, tmp_p
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     cmd = [sys.executable, str(ROOT / "run.py"), *QUICK, "strategy=zero3_offload", "trainer.devices=2",
            f"strategy.offload_dir={offload}", f"ckpt_path={ckpt}", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    proc = launch.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           preexec_fn=small_files)
     assert proc.returncode != 0, proc.stderr[-3000:]
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
@@ -195,7 +195,7 @@ def test_file_tier_releases_pages_and_keeps_data(tmp_path):
 
     code = ("import sys; from pathlib import Path; from lightning_par.parallel.sharding.disk_offload import FileArena\n"
             "try:\n    FileArena(Path(sys.argv[1]), 'b.bin', 2**20)\nexcept OSError as e:\n    print(type(e).__name__, e)")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+    out = launch.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          preexec_fn=tiny, timeout=60)
     assert out.stdout.startswith(f"{DiskFullError.__name__} ") and "disk tier: no room for 1.0 MiB" in out.stdout, out
 

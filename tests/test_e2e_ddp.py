@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from lightning_par.callbacks import CONTRACT_KEYS
+from tests import launch
 from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli, train_summary
 from tests.sweeps import four_ranks, single_refs
 
@@ -135,7 +135,7 @@ if __name__ == "__main__":
 def test_user_lightning_module_with_strategy_yaml(tmp_path):
     script = tmp_path / "user_train.py"
     script.write_text(USER_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(ROOT / "lightning_par/conf/strategy/ddp.yaml")], cwd=tmp_path,
+    proc = launch.run([sys.executable, str(script), str(ROOT / "lightning_par/conf/strategy/ddp.yaml")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     # no rank may abort at interpreter exit (gloo's workers outliving the interpreter, base.py)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from lightning_par.costs.estimate import (
 )
 from lightning_par.models.gpt import PRESETS, GPTConfig
 from lightning_par.modes.estimate import main
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +136,7 @@ def test_mode_estimate_writes_the_table_as_json(tmp_path) -> None:
     cmd = [sys.executable, "run.py", "mode=estimate", "model=gpt_tiny", "strategy=3d", "trainer.devices=auto",
            "trainer.num_nodes=8", "strategy.tp=2", "strategy.pp=2", "data.global_batch_size=8",
            f"paths.output_dir={tmp_path}", "+estimate.unit=GB", "+estimate.device=cpu"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = launch.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "estimate.json").read_text())
     assert record["world_size"] == 8 and record["mesh"] == {"pp": 2, "dp_shard": 2, "tp": 2}
@@ -155,7 +156,7 @@ def test_cli(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--model", "no_such_model", "--devices", "2"])
     assert "choose one of gpt_tiny" in capsys.readouterr().err
-    done = subprocess.run([sys.executable, "-m", "lightning_par.modes.estimate", "--params", "1e9", "--devices", "8"],
+    done = launch.run([sys.executable, "-m", "lightning_par.modes.estimate", "--params", "1e9", "--devices", "8"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "zero2" in done.stdout
 
@@ -191,7 +192,7 @@ def test_fsdp_without_gradient_sync_holds_full_gradients(tmp_path) -> None:
         out = tmp_path / "_".join(extra).replace("=", "-").replace(".", "-")
         cmd = [sys.executable, "run.py", "mode=estimate", "model=gpt2", "strategy=fsdp", "trainer.devices=8",
                "data.global_batch_size=32", f"paths.output_dir={out}", *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        done = launch.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         record = json.loads((out / "estimate.json").read_text())
         return {r["strategy"]: r for r in record["strategies"]}["fsdp"]

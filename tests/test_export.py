@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import launch
 from tests.test_pretrained import MAKE, ROOT, _env, _run
 
 SCRIPT = textwrap.dedent('''
@@ -126,7 +127,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_par.strategies.checkpoint.export", *args], env=_env(), capture_output=True,
+    return launch.run([sys.executable, "-m", "lightning_par.strategies.checkpoint.export", *args], env=_env(), capture_output=True,
                           text=True, timeout=300)
 
 
@@ -191,7 +192,7 @@ def test_our_gpt_exports_as_gpt2(tmp_path: Path) -> None:
 
     from lightning_par.models.gpt import GPT, GPTConfig
 
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=gpt_tiny", "strategy=fsdp", "trainer.devices=2",
+    proc = launch.run([sys.executable, str(ROOT / "run.py"), "model=gpt_tiny", "strategy=fsdp", "trainer.devices=2",
                            "trainer.max_steps=3", "data=synthetic", "data.seq_len=32", "callbacks=checkpoint",
                            "callbacks.checkpoint.every_n_train_steps=3", f"hydra.run.dir={tmp_path}/run"],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
@@ -300,7 +301,7 @@ def test_the_app_fine_tunes_a_checkpoint_and_exports_it_at_the_end(trained: Path
     from lightning_par.models.hf.causal_lm import HFCausalLM
 
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=hf_causal_lm", f"model.pretrained={trained}/llama",
+    proc = launch.run([sys.executable, str(ROOT / "run.py"), "model=hf_causal_lm", f"model.pretrained={trained}/llama",
                            "strategy=zero3", "trainer.devices=2", "trainer.max_steps=3", "data=synthetic",
                            "data.seq_len=16", "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=3",
                            "callbacks.export.at_end=true", f"hydra.run.dir={run}"],

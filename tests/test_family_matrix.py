@@ -33,13 +33,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 # the table's columns: the data-parallel and sharded strategies at 2 ranks, HSDP at 4 (replicate=2 x
@@ -282,7 +283,7 @@ def run_script(tmp_path: Path, devices: int, cells: list, script_text: str = SCR
     script.write_text(script_text)
     out = tmp_path / f"cells_{devices}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), json.dumps(cells)],
+    proc = launch.run([sys.executable, str(script), str(out), str(devices), json.dumps(cells)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

@@ -13,11 +13,11 @@ activations, where the bf16 parameters make them bf16."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests import launch
 from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # multi-process runs
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # multi-process runs
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_fsdp_peak_within_ten_percent_of_fsdp_mem_tracker(ranks):
-    done = subprocess.run([sys.executable, "-m", "tests.fsdp_peak_probe", str(ranks)], capture_output=True,
+    done = launch.run([sys.executable, "-m", "tests.fsdp_peak_probe", str(ranks)], capture_output=True,
                           text=True, timeout=500, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import math
-import subprocess
 import sys
 
 import pytest
@@ -29,6 +28,7 @@ from lightning_par.parallel.hf.plan import (
 )
 from lightning_par.parallel.pipeline.schedule import build_stage_modules
 from lightning_par.parallel.hf.stages import hf_stage_runner
+from tests import launch
 from tests.helpers import assert_losses_match
 
 ROPE_ARCHS = ("llama", "qwen2", "mistral")
@@ -293,7 +293,7 @@ def test_missing_transformers_says_how_to_install():
             "from lightning_par.models.hf.causal_lm import HFCausalLM\n"
             "sys.modules['transformers'] = None  # as if not installed\n"
             "try:\n    HFCausalLM()\nexcept ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = launch.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "HFCausalLM needs transformers: pip install 'lightning_par[hf]'", out.stderr
 
 

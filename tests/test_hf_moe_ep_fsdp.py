@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import launch
 from tests.test_hf_moe_ep import families_with_ep_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def run_script(tmp_path: Path, devices: int, families: list[str]) -> dict:
     script.write_text(SCRIPT)
     out = tmp_path / f"families_{devices}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), json.dumps(families)],
+    proc = launch.run([sys.executable, str(script), str(out), str(devices), json.dumps(families)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1000)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

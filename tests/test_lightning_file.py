@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESUMED = ["lp_ddp", "lp_zero1", "lp_zero2", "lp_zero3", "lp_fsdp", "lp_pipeline"]
@@ -92,7 +93,7 @@ def _run(root: Path, cells: list) -> dict:
     script = root / "script.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(root), json.dumps(cells)], cwd=root, env=env,
+    proc = launch.run([sys.executable, str(script), str(root), json.dumps(cells)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((root / f"out_{len(cells)}.json").read_text())

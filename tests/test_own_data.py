@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import launch
 from tests.helpers import ROOT, run_cli
 
 DM = textwrap.dedent('''
@@ -106,7 +106,7 @@ def test_callbacks_in_a_users_trainer_with_a_plain_dataloader(tmp_path: Path) ->
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
+    proc = launch.run([sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

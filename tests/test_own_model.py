@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +139,7 @@ def run_script(tmp_path: Path, devices: int, cells: list[tuple[str, str]], timeo
     script.write_text(SCRIPT)
     out = tmp_path / f"losses_{devices}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), ",".join(f"{m}:{s}" for m, s in cells)],
+    proc = launch.run([sys.executable, str(script), str(out), str(devices), ",".join(f"{m}:{s}" for m, s in cells)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {tuple(k.split(":")): v for k, v in json.loads(out.read_text()).items()}
@@ -223,7 +224,7 @@ def test_plain_trainer_misuse_is_one_line(tmp_path: Path) -> None:
     script = tmp_path / "misuse.py"
     script.write_text(MISUSE)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = launch.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]

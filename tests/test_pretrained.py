@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("llama", "qwen2", "gpt2", "mixtral")
@@ -154,7 +155,7 @@ def _env() -> dict[str, str]:
 def _run(script: str, *args: str, cwd: Path, timeout: int = 400) -> None:
     path = cwd / "script.py"
     path.write_text(script)
-    proc = subprocess.run([sys.executable, str(path), *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+    proc = launch.run([sys.executable, str(path), *args], cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

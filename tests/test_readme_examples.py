@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,7 @@ def test_readme_has_the_three_cases() -> None:
 def test_readme_example_runs(tmp_path: Path, name: str) -> None:
     (tmp_path / name).write_text(readme_examples()[name])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    proc = launch.run([sys.executable, name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     stopped = proc.stdout.count("`Trainer.fit` stopped") + proc.stderr.count("`Trainer.fit` stopped")
     assert stopped == (2 if name == "my_tower.py" else 1), proc.stderr[-3000:]

@@ -18,11 +18,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ def run_as_written(commands: list[str], cwd: Path, env: dict[str, str]) -> None:
         args = shlex.split(command)
         if args[0] == "python":
             args[0] = sys.executable
-        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        done = launch.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 
@@ -79,7 +80,7 @@ def test_the_recipes_section_holds_both_recipes() -> None:
 @pytest.mark.timeout(900)
 def test_readme_recipes_run_as_written(tmp_path: Path) -> None:
     env = user_env()
-    done = subprocess.run([sys.executable, "-c", ASSETS, str(tmp_path)], env=env, capture_output=True, text=True,
+    done = launch.run([sys.executable, "-c", ASSETS, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     run_as_written(recipes(), tmp_path, env)
@@ -134,10 +135,10 @@ def test_a_fine_tune_on_token_files_resumes_mid_epoch_exactly(tmp_path: Path) ->
     import numpy as np
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", ASSETS, str(tmp_path)], env=env, capture_output=True, text=True,
+    done = launch.run([sys.executable, "-c", ASSETS, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "lightning_par.tools.prepare", "corpus.jsonl", "--tokenizer", "llama",
+    done = launch.run([sys.executable, "-m", "lightning_par.tools.prepare", "corpus.jsonl", "--tokenizer", "llama",
                            "--out", "corpus.bin", "--workers", "1"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -145,7 +146,7 @@ def test_a_fine_tune_on_token_files_resumes_mid_epoch_exactly(tmp_path: Path) ->
               "data.global_batch_size=8", "trainer.devices=2", "trainer.max_steps=8", "trainer.limit_val_batches=0"]
 
     def run(name: str, *extra: str) -> list[float]:
-        done = subprocess.run([sys.executable, str(ROOT / "run.py"), *common, *extra, f"hydra.run.dir={name}"],
+        done = launch.run([sys.executable, str(ROOT / "run.py"), *common, *extra, f"hydra.run.dir={name}"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((tmp_path / name / "summary.json").read_text())["losses"]

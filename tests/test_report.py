@@ -17,6 +17,7 @@ import pytest
 
 import lightning_par.tools.report as report
 from lightning_par.callbacks import CONTRACT_KEYS
+from tests import launch
 from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,7 +49,7 @@ def _write(job_dir: Path, name: str, data) -> None:
 def _run_report(sweep: Path, out: Path | None = None, timeout: float = 120,
                 entry: tuple[str, ...] = ("-m", "lightning_par.tools.report")) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *entry, str(sweep)] + (["--out", str(out)] if out else [])
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return launch.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def _assert_pngs(out: Path, names: list[str]) -> None:
@@ -285,7 +286,7 @@ def test_torchrun_does_not_restart_a_config_error(tmp_path, bad):
            "--monitor-interval=0.5", "-m", "lightning_par", *QUICK, "strategy=ddp", "trainer.devices=2", *bad,
            f"hydra.run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]

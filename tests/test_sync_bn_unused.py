@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent('''
@@ -181,7 +183,7 @@ def run_script(tmp_path: Path, devices: int, model: str, strategies: list[str],
     script.write_text(SCRIPT)
     out = tmp_path / f"out_{model}_{devices}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), model, ",".join(strategies)],
+    proc = launch.run([sys.executable, str(script), str(out), str(devices), model, ",".join(strategies)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     proc.result = json.loads(out.read_text()) if proc.returncode == 0 else None  # type: ignore[attr-defined]
     return proc
@@ -256,7 +258,7 @@ def test_sync_batchnorm_under_a_pipeline_is_refused_in_one_line(tmp_path: Path) 
     script = tmp_path / "refuse.py"
     script.write_text(REFUSE)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = launch.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
