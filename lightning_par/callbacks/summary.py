@@ -162,6 +162,7 @@ class RunSummary(L.Callback):
             "units_rule": facts.get("units_rule"),
             "compile": compile_facts(facts.get("compiled_modules")),
             "activation_checkpointing": facts.get("checkpointed_blocks") or None,
+            "float8": facts.get("float8"),
             "precision": str(trainer.precision),
             "global_batch_size": global_batch_of(trainer),
             "steps": len(losses),

@@ -71,16 +71,18 @@ def predict(trainer: L.Trainer, pl_module: L.LightningModule,
                          n_params=int(facts.get("n_params", sum(p.numel() for p in pl_module.parameters()))),
                          shape=model_shape(pl_module, batch[1]) if batch else None, batch=batch,
                          precision=str(trainer.precision),
-                         accumulate=int(trainer.accumulate_grad_batches), grad_clip=bool(clip and clip > 0))
+                         accumulate=int(trainer.accumulate_grad_batches), grad_clip=bool(clip and clip > 0),
+                         float8=facts.get("float8"))
 
 
 def strategy_comm(strategy: Any, *, mesh: dict[str, int], n_params: int, shape: Shape | None,
                   batch: tuple[int, int] | None, precision: str, accumulate: int = 1,
-                  grad_clip: bool = False) -> dict[str, dict[str, int]]:
+                  grad_clip: bool = False, float8: dict[str, Any] | None = None) -> dict[str, dict[str, int]]:
     """``step_comm_bytes`` for a built strategy (its catalogue entry and options) on ``mesh``:
     ``batch`` is (sequences per rank per forward -- a pipeline's whole batch, split into its
     micro-batches --, sequence length); ``shape`` the model's at that sequence length (None: the
-    model declares none)."""
+    model declares none); ``float8``: what float8 converted (the strategy's ``model_facts["float8"]``), whose
+    weights FSDP may all-gather in float8."""
     found = entry_of(strategy)
     if found is None:
         raise ValueError(f"{type(strategy).__name__} is not in the strategy catalogue: no comm model")
@@ -98,4 +100,6 @@ def strategy_comm(strategy: Any, *, mesh: dict[str, int], n_params: int, shape: 
         recompute=o.recompute, accumulate=accumulate, grad_sync=o.grad_sync,
         reduce_dtype_bytes=(dtypes.dtype_bytes(dtypes.parse_dtype(o.reduce_dtype, "reduce_dtype"))
                             if o.reduce_dtype else None),
-        zero2_collectives=o.zero2_collectives)
+        zero2_collectives=o.zero2_collectives,
+        **({"float8_params": int(float8["params"]), "float8_tensors": int(float8["layers"])}
+           if float8 and float8.get("fsdp_float8_all_gather") else {}))

@@ -79,6 +79,8 @@ class Device:
     latency_us: float = 20.0  # start-up time of one collective on the critical path (NCCL, small messages)
     overlap: float = 1.0  # share of the overlappable traffic that runs beside compute: 1 on a GPU (its own
     # streams and copy engines); on a CPU with gloo the collectives use the cores the matmuls need: 0
+    #: dense float8 TFLOP/s (an H100 SXM's 1979: twice its bf16); None: no float8 matmuls (emulated, no faster)
+    float8_tflops: float | None = 1979.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,12 @@ def flops_per_token(shape: Shape) -> float:
     return 3 * (2 * weights + attention)
 
 
+def float8_flops_per_token(shape: Shape) -> float:
+    """The part of ``flops_per_token`` that ``model.float8`` moves to float8 matmuls: the dense blocks'
+    linear layers (not the output head, not attention's ``QK^T``/``AV``, not the routed experts)."""
+    return 6 * (shape.n_layer - shape.n_moe_layers) * shape.units()["block_matmul"]
+
+
 def data_parallel_calls(traffic: str, shape: Shape, mesh: dict[str, int], forwards: int) -> int:
     """Collectives a strategy issues per step on its data axes (their latency is hidden with their
     bytes where they overlap compute): DDP's 25 MB buckets, ZeRO-1's buckets and its broadcasts
@@ -134,14 +142,17 @@ def data_parallel_calls(traffic: str, shape: Shape, mesh: dict[str, int], forwar
 def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch: int, comm: dict[str, dict[str, int]],
               bandwidth_gbs: dict[str, float], device: Device, compute_bytes: int = 2, recompute: bool | str = False,
               schedule: str = "1f1b", micro_batches: int = 1, virtual_stages: int = 1,
-              offloaded_params: int = 0, accumulate: int = 1, disk_gbs: float | None = None) -> StepTime:
+              offloaded_params: int = 0, accumulate: int = 1, disk_gbs: float | None = None,
+              float8: bool = False) -> StepTime:
     """The step time of one plan. ``traffic``: the strategy's traffic model (``StrategyEntry.comm``);
     ``mesh``: axis sizes (``pp``, ``tp``, ``ep``, ``dp_*``); ``global_batch``:
     sequences per optimizer step over the whole job; ``comm``: ``costs/comm.step_comm_bytes``'s bytes;
     ``compute_bytes``: 2 when the matmuls run in bf16/fp16 (the peak is the bf16 one), 4 in fp32 (TF32:
     half of it); ``micro_batches`` / ``virtual_stages``: the pipeline's; ``offloaded_params``: parameters
     of this rank's shard kept in host memory (ZeRO-3 offload); ``accumulate``: forwards per step;
-    ``disk_gbs``: the offloaded states are in files (the disk tier), read and written at this rank's GB/s."""
+    ``disk_gbs``: the offloaded states are in files (the disk tier), read and written at this rank's GB/s;
+    ``float8``: the dense blocks' linear layers compute in float8 (``model.float8``), at the device's float8
+    peak and the same efficiency (no change where the device has none: emulated)."""
     devices = 1
     for size in mesh.values():
         devices *= int(size)
@@ -150,8 +161,13 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
     model_flops = flops_per_token(shape) * shape.seq_len * global_batch
     # full checkpointing recomputes the forward (2 of 6 FLOPs per parameter-token); selective recomputes no
     # matmul (its pointwise recomputation is memory-bound time this FLOP model does not see)
-    rank_flops = model_flops / devices * (4 / 3 if recompute in (True, "full") else 1.0)
-    compute = rank_flops / (peak * device.efficiency)
+    factor = 4 / 3 if recompute in (True, "full") else 1.0
+    rank_flops = model_flops / devices * factor
+    fast = 0.0  # of rank_flops, those at the float8 peak
+    if float8 and device.float8_tflops:
+        fast = float8_flops_per_token(shape) * shape.seq_len * global_batch / devices * factor
+    compute = (rank_flops - fast) / (peak * device.efficiency) + fast / (device.float8_tflops * 1e12 * device.efficiency
+                                                                         if fast else 1.0)
     axes = {**mesh, "world": devices}
     hidden = exposed = 0.0
     for kind, by_axis in comm.items():

@@ -12,6 +12,8 @@ meta** to **materialise**; each is marked with its name in the code below:
   unit in **fully shard**; a tied embedding and head are tiled together, each tile one module and
   one unit used by both);
 - **cut stages**: ``spec.cut`` keeps this rank's pipeline stages and drops the other layers;
+- **float8**: ``spec.float8``: the stage's linear layers (not its output head) compute in float8
+  (``precision/float8.py``, torchao's ``Float8Linear``), before tensor parallelism and FSDP as torchao asks;
 - **tensor parallel** on each stage (or the whole model), then **expert parallel**
   (``spec.expert_parallel``: the routed experts sharded over the ep axis, ``expert_parallel.py``);
 - **checkpoint activations** of the blocks present (and of the tiles);
@@ -48,6 +50,7 @@ from lightning_par.parallel.init.materialize import InitFn, capture_templates, h
 from lightning_par.parallel.init.weights import weight_sources
 from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
 from lightning_par.parallel.memory.tiling import apply_tiling, check_tiling, with_tied_partners
+from lightning_par.parallel.precision.float8 import Float8, apply_float8
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,8 @@ class Techniques:
     init_trace: InitTrace | None = None
     #: cut stages: takes the whole model, returns this rank's stage modules (sharing its submodules)
     cut: Callable[[nn.Module], list[nn.Module]] | None = None
+    #: float8: the recipe and how (``precision/float8.Float8``); None: the matmuls in the training dtype
+    float8: Float8 | None = None
     tensor_parallel: TensorParallel | None = None
     expert_parallel: ExpertParallel | None = None
     #: None, "full" or "selective" (``parallel/memory/checkpointing.py``)
@@ -144,7 +149,10 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
         check_tiling(tiling, plan.tp_plan)
     tiles = apply_tiling(module, tiling) if tiling else []
     stages = spec.cut(module) if spec.cut is not None else [module]                      # cut stages
+    heads = [path for path, style in plan.tp_plan.items() if style == "output"]
     for stage in stages:
+        if spec.float8 is not None:                                                      # float8
+            apply_float8(stage, spec.float8, heads=heads)
         if spec.tensor_parallel is not None:                                             # tensor parallel
             tp = spec.tensor_parallel
             # a pipeline stage registers its layers under their full paths: the plan's patterns fit as they are

@@ -238,6 +238,8 @@ TABLE: dict[str, Spec] = {
     "data.image_size": POSITIVE,
     # --- model: the optimizer (every lightning_par model, models/module.py)
     "model.lr": number(0, lo_open=True).note("the learning rate"),
+    "model.float8": (exactly(False, "false") | choice("tensorwise", "rowwise")).note(
+        "float8 matmuls in the linear layers (torchao; emulated on CPU)"),
     "model.weight_decay": number(0),
     "model.betas": number_list(2, 0, 1, hi_open=True).note("Adam's beta1, beta2"),
     "model.momentum": number(0, 1, hi_open=True).note("SGD's"),

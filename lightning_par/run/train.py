@@ -169,11 +169,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     each value's type and range (``config_values.check_config_values``) once per launch, by the launching
     process (``cli._run``) before any rank starts -- not again here, nor in the child ranks."""
     try:
+        from lightning_par.run.float8_option import pop_float8
         from lightning_par.run.tiling_option import pop_tiling, set_tiling
 
         strategy_cfg, tiling = pop_tiling(cfg.strategy)  # an option of every strategy (run/tiling_option.py)
+        model_cfg, float8 = pop_float8(cfg.model)  # applied by the strategy (run/float8_option.py)
         strategy = instantiate(strategy_cfg)
-        model = instantiate(cfg.model)
+        model = instantiate(model_cfg)
         datamodule = instantiate(cfg.data)
         callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
         with torch.device("meta"):  # what the strategies will do too: shapes only, no memory
@@ -182,6 +184,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         cause = e.__cause__ or e
         raise ConfigError(str(cause) if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {cause}") from None
     set_compile(strategy, cfg.get("compile", False))
+    from lightning_par.run.float8_option import set_float8
+
+    set_float8(strategy, float8, facts.accelerator(cfg.trainer))
     from lightning_par.run.loggers import build_loggers, log_run_config
 
     logger = log_run_config(build_loggers(cfg.get("logger")), cfg, strategy)

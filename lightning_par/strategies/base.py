@@ -49,6 +49,7 @@ from lightning_par.parallel.hf.from_pretrained import transformers_from_pretrain
 from lightning_par.parallel.sharding.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_par.parallel.memory.checkpointing import checkpointed_blocks, checkpointing_mode
 from lightning_par.parallel.memory.tiling import check_tiling
+from lightning_par.parallel.precision.float8 import Float8, convertible, device_refusal, float8_option, float8_weights
 from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 from lightning_par.core.fork_ranks import ChildEntry
 
@@ -119,6 +120,9 @@ class ParStrategyMixin:
     #: (``{"mode": "max-autotune-no-cudagraphs"}``); the app sets it from the top-level ``compile`` key,
     #: a user's own Trainer by ``strategy.compile = True`` before ``fit``
     compile: bool | dict[str, Any] = False
+    #: float8 training of the linear layers (``parallel/precision/float8.py``): None, "tensorwise" or "rowwise";
+    #: the app sets it from ``model.float8``, a user's own Trainer by ``strategy.float8 = "rowwise"`` before ``fit``
+    float8: str | None = None
     #: what setup learnt about the model (units rule, parameter count), for the run summary
     model_facts: dict[str, Any] = {}
     #: memory-centric tiling: module path -> tile count (``parallel/memory/tiling.py``); the app sets it from
@@ -195,9 +199,34 @@ class ParStrategyMixin:
             if inside:
                 raise ValueError(f"activation_checkpointing=selective cannot checkpoint a block whose layers are tiled "
                                  f"(strategy.tiling: {inside[0]}, ...): use activation_checkpointing=true")
+        self.check_float8(module, world_size)
         if self.activation_checkpointing and not resolve_plan(module).plan.blocks:
             raise ValueError(f"{type(self).__name__}: activation_checkpointing found no blocks in "
                              f"{type(module).__name__} (no declared plan, no repeated children, no large submodule)")
+
+    def check_float8(self, module: nn.Module, world_size: int = 1) -> None:
+        """The ``float8`` option against this layout and ``module`` (``ValueError``, one line)."""
+        recipe = float8_option(self.float8)
+        if recipe is None:
+            return
+        if self.dims_for(world_size).tp > 1:
+            raise ValueError(f"float8={recipe} with tensor parallelism is not built yet (torchao's float8 TP styles): "
+                             "use it with single, ddp, zero, fsdp/hsdp or pipeline, or set float8=false")
+        if not convertible(module, _output_layers(module)):
+            raise ValueError(f"float8={recipe}: no linear layer of {type(module).__name__} can compute in float8 "
+                             "(both dimensions multiples of 16, not the output head): set float8=false")
+
+    def float8_step(self, fully_shard: Any) -> Float8 | None:
+        """``parallelize``'s float8 step on this rank's device: emulated off CUDA; tensorwise weights all-gathered
+        in float8 under FSDP (not with CPU offload, whose shards torchao's all-gather does not handle)."""
+        recipe = float8_option(self.float8)
+        if recipe is None:
+            return None
+        refusal = device_refusal(self.root_device)
+        if refusal:
+            raise ConfigError(refusal)
+        gather = recipe == "tensorwise" and fully_shard is not None and not fully_shard.cpu_offload
+        return Float8(recipe, emulate=self.root_device.type != "cuda", fsdp_all_gather=gather)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -274,10 +303,14 @@ class ParStrategyMixin:
             torch._dynamo.reset()
         seed = int(self.broadcast(torch.initial_seed() % (1 << 31)))  # one seed: the same weights on every rank
         trace, self._init_trace = getattr(self, "_init_trace", None), None  # used once, then released
+        steps = self.techniques(module, resolved)
+        # the whole model's float8 layers (a pipeline cut leaves this rank only its own): for the comm model
+        whole = {p: module.get_submodule(p).weight.numel() for p in convertible(module, _output_layers(module))} \
+            if float8_option(self.float8) else {}
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
                           init_trace=trace, activation_checkpointing=checkpointing_mode(self.activation_checkpointing),
                           own_checkpointing=checkpointing_fn_of(module), **compile_fields(self.compile),
-                          **self.techniques(module, resolved))
+                          float8=self.float8_step(steps.get("fully_shard")), **steps)
         tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
         stages = parallelize(module, replace(spec, tiling=check_tiling(self.tiling, tp_plan)))
         # a Hugging Face model now sharded (DTensors) or cut: transformers' save_pretrained would fail or write
@@ -286,6 +319,11 @@ class ParStrategyMixin:
         # what compile did, for the run summary: modules whose call runs through torch.compile
         self.model_facts["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None
                                                    for m in module.modules())
+        if spec.float8 is not None:  # what float8 converted on this rank's stages, for the run summary
+            self.model_facts["float8"] = {"recipe": spec.float8.recipe, "emulated": spec.float8.emulate,
+                                          "fsdp_float8_all_gather": spec.float8.fsdp_all_gather,
+                                          "layers": len(whole), "params": sum(whole.values()),
+                                          "layers_on_rank": sum(len(float8_weights(stage)) for stage in stages)}
         # what activation checkpointing was applied on this rank's stages, by mode
         checkpointed: dict[str, int] = {}
         for stage in stages:
@@ -317,6 +355,11 @@ class ParStrategyMixin:
             for state in _optimizer_states(opt):
                 states.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
         return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}
+
+
+def _output_layers(module: nn.Module) -> list[str]:
+    """The plan's output layers (its tensor-parallel style "output"): float8 leaves them alone."""
+    return [path for path, style in resolve_plan(module).plan.tp_plan.items() if style == "output"]
 
 
 def compile_fields(option: bool | dict[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,127 @@
+"""Float8 training: the model's ``nn.Linear`` layers become torchao's ``Float8Linear``, whose matmuls take
+their inputs, weights and output gradients in float8 with dynamic scales (torchao's recipes):
+
+- ``tensorwise``: one scale per tensor; fastest. Under FSDP2 the weights are all-gathered in float8
+  (torchao's ``enable_fsdp_float8_all_gather``): half the bytes of bf16 for the converted layers.
+- ``rowwise``: one scale per row (finer, more accurate; all-gathered in the parameter dtype).
+
+Which layers: every ``nn.Linear`` whose two dimensions are multiples of 16 (the float8 matmul's
+requirement), except the model's output head (its logits feed the loss, where float8's rounding costs
+accuracy for little time) and a layer tied to an embedding. torchao's own filters also skip layers it
+judges too small to gain on an H100; this one does not, so that what is converted does not depend on a
+benchmark of one GPU, and so that small models on CPU (the tests) convert too.
+
+The conversion runs on the meta model, before tensor parallelism and FSDP (torchtitan's order): torchao's
+module keeps the same parameters (state-dict keys unchanged, so checkpoints move between float8 and not),
+and ``to_empty`` in the materialise step keeps its weight wrapper for the float8 all-gather.
+
+Float8 matmuls need an NVIDIA GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell); another GPU
+is refused before launch (``device_refusal``). On CPU torchao emulates them (``emulate=True``: the values
+are rounded to float8 as on a GPU, the matmul runs in higher precision), which is how the tests show
+its losses next to bf16's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+#: what ``float8`` may be set to
+RECIPES = ("tensorwise", "rowwise")
+#: the float8 matmul's alignment: both dimensions of a converted layer are multiples of it
+ALIGN = 16
+#: compute capability from which an NVIDIA GPU has float8 tensor cores
+MIN_CAPABILITY = (8, 9)
+
+
+@dataclass(frozen=True)
+class Float8:
+    """The float8 step of ``parallelize``: the recipe, whether to emulate (no float8 hardware: CPU), and
+    whether FSDP2 all-gathers the converted weights in float8 (tensorwise under FSDP)."""
+
+    recipe: str
+    emulate: bool = False
+    fsdp_all_gather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"float8 must be false, {' or '.join(RECIPES)}, got {self.recipe!r}")
+        if self.fsdp_all_gather and self.recipe != "tensorwise":
+            raise ValueError("float8 all-gather under FSDP is torchao's for the tensorwise recipe only")
+
+
+def float8_option(value: object) -> str | None:
+    """The ``float8`` option as a recipe name, or None (off): false/null/"false" are off."""
+    if value is None or value is False or value == "false":
+        return None
+    if value in RECIPES:
+        return str(value)
+    raise ValueError(f"float8 must be false, {' or '.join(RECIPES)}, got {value!r}")
+
+
+def device_refusal(device: torch.device) -> str | None:
+    """Why float8 cannot train on ``device`` (None: it can; CPU emulates)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"float8 needs an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or more "
+                f"(Ada, Hopper, Blackwell); {name} is {major}.{minor}: set float8=false")
+    return None
+
+
+def excluded(model: nn.Module, heads: Iterable[str] = ()) -> set[str]:
+    """Paths of the linear layers never converted: ``heads`` (the plan's output layers) and every module
+    a submodule names as its output embeddings (Hugging Face's ``get_output_embeddings``), plus any
+    linear layer whose weight is an embedding's (tied)."""
+    paths = {p for p in heads}
+    by_id = {id(m): p for p, m in model.named_modules()}
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for path, m in model.named_modules():
+        getter = getattr(m, "get_output_embeddings", None)
+        if callable(getter):
+            try:
+                head = getter()
+            except (NotImplementedError, AttributeError):
+                head = None
+            if isinstance(head, nn.Module) and id(head) in by_id:
+                paths.add(by_id[id(head)])
+        if isinstance(m, nn.Linear) and id(m.weight) in embedding_weights:
+            paths.add(path)
+    return paths
+
+
+def convertible(model: nn.Module, heads: Iterable[str] = ()) -> list[str]:
+    """The paths of the layers ``apply_float8`` converts (module docstring: which layers)."""
+    skip = excluded(model, heads)
+    return [p for p, m in model.named_modules()
+            if isinstance(m, nn.Linear) and p not in skip
+            and m.in_features % ALIGN == 0 and m.out_features % ALIGN == 0]
+
+
+def apply_float8(module: nn.Module, spec: Float8, heads: Iterable[str] = ()) -> list[str]:
+    """Swap ``module``'s convertible linear layers for torchao's ``Float8Linear`` in place; returns their
+    paths. ``heads``: the output layers, by path in ``module``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = set(convertible(module, heads))
+    if not chosen:
+        return []
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(spec.recipe), emulate=spec.emulate,
+                                 enable_fsdp_float8_all_gather=spec.fsdp_all_gather)
+    convert_to_float8_training(module, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen)
+    return sorted(chosen)
+
+
+def float8_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The weights of ``module``'s layers that compute in float8 (whole sizes, also when sharded)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    return [m.weight for m in module.modules() if isinstance(m, Float8Linear)]
