@@ -132,6 +132,22 @@ def test_the_step_time_model_runs_the_blocks_linear_layers_at_the_float8_peak():
     assert full.compute == pytest.approx(fast.compute * 4 / 3)  # the recomputed forward in float8 too
 
 
+def test_the_estimator_gathers_the_blocks_linear_weights_in_float8_under_fsdp():
+    from dataclasses import replace
+
+    from lightning_par.costs.estimate import estimate, layout
+    from lightning_par.costs.shape import Shape
+
+    shape = Shape(16, 2048, 16, 1024, 2048, bias=False)  # a small vocabulary: the peak is in a block's backward
+    lay = layout("fsdp", 8)
+    kw = dict(devices=8, strategy="fsdp", precision="bf16-mixed", micro_batch_size=2)
+    plain = estimate(shape, layout_=replace(lay, gather_bytes=2), **kw)
+    f8 = estimate(shape, layout_=replace(lay, gather_bytes=2, float8_gather=True), **kw)
+    block = shape.units()["block_matmul"]
+    assert plain.moment.startswith("backward block") and f8.moment == plain.moment, (plain.moment, f8.moment)
+    assert plain.peak - f8.peak == (2 - 1) * block * (1 + lay.prefetch)  # the unit and its prefetched neighbour
+
+
 def _users_module():
     import lightning as L
     import torch.nn.functional as F

@@ -335,7 +335,9 @@ def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int],
     fsdp_data = e.sharding_for(o.data_parallel or e.defaults().get("data_parallel")).grads == "fsdp"
     base = e.cost_layout(dims.world_size, tp=dims.tp, pp=dims.pp, ep=dims.ep,
                          replicate=dims.dp_replicate if fsdp_data else 1, data_parallel=o.data_parallel)
-    return replace(base, cpu_offload=base.cpu_offload or o.cpu_offload, disk_offload=o.disk_offload,
+    offload = base.cpu_offload or o.cpu_offload
+    return replace(base, cpu_offload=offload, disk_offload=o.disk_offload,
+                   float8_gather=o.float8 == "tensorwise" and base.grads == "fsdp" and not offload,
                    prefetch=o.prefetch, tiling=dict(tiling),
                    gather_bytes=dtype_bytes(parse_dtype(o.param_dtype, "param_dtype")) if o.param_dtype else None,
                    schedule=o.schedule, n_microbatches=o.n_microbatches, virtual_stages=o.virtual_stages,

@@ -135,7 +135,9 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
         gb = lay.gather_bytes or p
         root, unit_max = fsdp_units(u, lay, has_embed, has_head, block_unit, embed, head, shape)
         gathered_root = gb * root
-        gathered_unit = gb * unit_max * (1 + lay.prefetch)
+        # float8 gathers (model.float8=tensorwise): a block's linear weights at 1 byte (the root holds none)
+        f8 = u["block_matmul"] / tp if lay.float8_gather and unit_max == block_unit else 0.0
+        gathered_unit = (gb * unit_max - (gb - 1) * f8) * (1 + lay.prefetch)
         if shard == 1 and not lay.cpu_offload:
             gathered_root = gathered_unit = 0.0
 

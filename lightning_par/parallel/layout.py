@@ -59,6 +59,8 @@ class Layout:
     virtual_stages: int = 1
     prefetch: int = 1
     gather_bytes: float | None = None  # bytes per gathered parameter element (None: the params' own)
+    #: FSDP gathers the blocks' linear weights in float8 (``model.float8=tensorwise``): 1 byte per element
+    float8_gather: bool = False
     tiling: dict[str, int] = field(default_factory=dict)
     mesh: dict[str, int] = field(default_factory=dict)
     data_parallel: str = "replicate"  # expert_parallel / 3d: how the data axis holds the non-expert states
@@ -92,6 +94,8 @@ class CostOptions:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    #: float8 matmuls (``model.float8``): None, "tensorwise" or "rowwise"
+    float8: str | None = None
 
     def microbatches_for(self, pp: int) -> int:
         """Micro-batches per step of a pipeline of ``pp`` stages (1 without a pipeline)."""

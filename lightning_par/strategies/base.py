@@ -174,7 +174,7 @@ class ParStrategyMixin:
         estimator and the comm prediction read this, never the strategy's attributes. Strategies with
         options of their own extend it (``replace(super().cost_options(), ...)``)."""
         return CostOptions(recompute=checkpointing_mode(self.activation_checkpointing) or False,
-                           cpu_offload=bool(self.cpu_offload))
+                           cpu_offload=bool(self.cpu_offload), float8=float8_option(self.float8))
 
     # ----------------------------------------------------------------------------- mesh
     def dims_for(self, world_size: int) -> ParallelDims:
