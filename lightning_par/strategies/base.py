@@ -209,9 +209,6 @@ class ParStrategyMixin:
         recipe = float8_option(self.float8)
         if recipe is None:
             return
-        if self.dims_for(world_size).tp > 1:
-            raise ValueError(f"float8={recipe} with tensor parallelism is not built yet (torchao's float8 TP styles): "
-                             "use it with single, ddp, zero, fsdp/hsdp or pipeline, or set float8=false")
         if not convertible(module, _output_layers(module)):
             raise ValueError(f"float8={recipe}: no linear layer of {type(module).__name__} can compute in float8 "
                              "(both dimensions multiples of 16, not the output head): set float8=false")

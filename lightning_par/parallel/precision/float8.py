@@ -125,3 +125,35 @@ def float8_weights(module: nn.Module) -> list[torch.Tensor]:
     except ImportError:
         return []
     return [m.weight for m in module.modules() if isinstance(m, Float8Linear)]
+
+
+def float8_tp_style(name: str, module: nn.Module, *, output_layouts: object = None) -> object | None:
+    """torchao's float8 tensor-parallel style for plan style ``name`` on ``module``, where one applies: a
+    ``colwise``/``rowwise`` layer converted with the tensorwise recipe (its input all-gathered, its output
+    gradient reduced, in float8). None otherwise: rowwise-scaled layers and every other style take the
+    plain styles, on which torchao's ``Float8Linear`` computes with the local shard's scales.
+    ``output_layouts``: the rowwise style's output layout (sequence parallelism: the sequence shard)."""
+    try:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    except ImportError:
+        return None
+    if not isinstance(module, Float8Linear) or name not in ("colwise", "rowwise"):
+        return None
+    if module.config.cast_config_input.scaling_granularity is not ScalingGranularity.TENSORWISE:
+        return None
+    if name == "colwise":
+        return Float8ColwiseParallel()
+
+    class OwnedFloat8RowwiseParallel(Float8RowwiseParallel):
+        """Its local output a tensor of its own, as ``tensor_parallel.OwnedRowwiseParallel``'s (a decoder may
+        add to it in place)."""
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+            out = Float8RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+            return out.clone() if use_local_output and not isinstance(out, torch.distributed.tensor.DTensor) else out
+
+    return OwnedFloat8RowwiseParallel() if output_layouts is None else OwnedFloat8RowwiseParallel(
+        output_layouts=output_layouts)

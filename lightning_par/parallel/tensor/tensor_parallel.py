@@ -57,6 +57,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_par.parallel.init.ties import retie, tied_parameters
+from lightning_par.parallel.precision.float8 import float8_tp_style
 from lightning_par.parallel.tensor.tp_styles import (
     _LOCAL_KINDS,
     PARAM_STYLES,
@@ -184,6 +185,8 @@ def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None
             raise ValueError(f"tensor-parallel style {name!r} does not run under sequence parallelism; "
                              "set sequence_parallel=false")
         return LocalParallel(base, arg)
+    if module is not None and (f8 := float8_tp_style(name, module, output_layouts=seq if sp else None)) is not None:
+        return f8  # a float8 layer (model.float8=tensorwise): torchao's styles, its gathers in float8
     if name == "colwise":
         return ColwiseParallel()  # under SP the owning module all-gathers the input (see below)
     if name == "rowwise":
