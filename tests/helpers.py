@@ -38,12 +38,16 @@ def composed(*overrides: str, tmp: Path | None = None):
     return cfg
 
 
-def run_cli(args: list[str], run_dir: Path, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], run_dir: Path, timeout: float = 240, check: bool = True,
+            fork: bool = True) -> subprocess.CompletedProcess:
+    """``python run.py *args`` with its output captured; forked from the tests' server (``tests/launch.py``)
+    unless ``fork`` is false (a test of how processes start needs a real command)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     cmd = [sys.executable, str(ROOT / "run.py"), *args]
     if not any(a.startswith("-m") or a == "--multirun" for a in args):
         cmd.append(f"hydra.run.dir={run_dir}")
-    proc = launch.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    run = launch.run if fork else subprocess.run
+    proc = run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"run.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_par.models.build import instantiate_model
 from lightning_par.costs.advisor import Cluster, advise
 from lightning_par.modes.advise import main
 from lightning_par.costs.shape import Shape
@@ -553,7 +554,6 @@ def test_hf_tiling_paths_are_the_models(tmp_path: Path):
     """The tiled-offload plan names the Hugging Face model's own layers (net.model.layers.<i>.self_attn.q_proj,
     ...), each one ``parallel/memory/tiling.py`` accepts in the module the app builds; the estimator reads them
     as tiles (the largest unit shrinks)."""
-    from hydra.utils import instantiate
 
     from lightning_par.costs.advisor import tiling_plan
     from lightning_par.costs.estimate import estimate, layout
@@ -564,7 +564,7 @@ def test_hf_tiling_paths_are_the_models(tmp_path: Path):
     tiling = tiling_plan(shape, 2)
     assert {"net.model.layers.1.self_attn.k_proj", "net.model.layers.0.mlp.down_proj", "net.lm_head",
             "net.model.embed_tokens"} <= set(tiling) and len(tiling) == 2 * 7 + 2
-    module = instantiate(composed("model=hf_llama_tiny", tmp=tmp_path).model)
+    module = instantiate_model(composed("model=hf_llama_tiny", tmp=tmp_path).model)
     with torch.device("meta"):
         module.configure_model()
     for path, k in tiling.items():
@@ -578,7 +578,6 @@ def test_hf_tiling_paths_are_the_models(tmp_path: Path):
 def test_hf_shape_without_a_preset_gets_overrides_that_build_it(tmp_path: Path):
     """``advise`` on a Hugging Face shape of no preset writes hf_causal_lm's fields: they compose into
     the same shape."""
-    from hydra.utils import instantiate
 
     from lightning_par.costs.advisor import model_overrides
     from tests.helpers import composed
@@ -586,7 +585,7 @@ def test_hf_shape_without_a_preset_gets_overrides_that_build_it(tmp_path: Path):
     _, shape = model_shape("hf_qwen2_0p5b")
     words = model_overrides(shape, None, 8)
     assert words[0] == "model=hf_causal_lm" and "model.kv_heads=2" in words
-    module = instantiate(composed(*words, tmp=tmp_path).model)
+    module = instantiate_model(composed(*words, tmp=tmp_path).model)
     assert Shape.of_hf(module.hf_config, shape.seq_len) == shape
 
 
@@ -626,7 +625,6 @@ def test_llama3_8b_is_priced_at_transformers_count(source, cluster, answers, lla
     of the GPT the flags used to build) and shown with the shape; the margin to the memory limit is shown;
     and the printed command, composed as the app composes it, builds a model of exactly that count
     (with the config's rotary and norm fields)."""
-    from hydra.utils import instantiate
     from transformers import LlamaConfig
 
     from tests.helpers import composed
@@ -659,7 +657,7 @@ def test_llama3_8b_is_priced_at_transformers_count(source, cluster, answers, lla
     command = command_of(out)
     assert " model=hf_causal_lm model.arch=llama model.hidden=4096 model.layers=32 model.heads=32 model.kv_heads=8 " \
            "model.intermediate=14336 model.vocab=128256 " in command, command
-    module = instantiate(composed(*shlex.split(command)[1:], tmp=tmp_path).model)
+    module = instantiate_model(composed(*shlex.split(command)[1:], tmp=tmp_path).model)
     assert _meta_count(module.hf_config) == n
     if source == "config":
         assert module.hf_config.rope_parameters["rope_theta"] == 500000.0 and module.hf_config.rms_norm_eps == 1e-5

@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
+from lightning_par.models.build import instantiate_model
 from lightning_par import ConfigError
 from lightning_par.cli import check_group_choices
 from lightning_par.strategies.base import ParStrategyMixin
@@ -44,7 +45,7 @@ def test_strategy_yaml_instantiates_alone(name):
 def test_model_yaml_instantiates(name):
     cfg = composed(f"model={name}")
     with torch.device("meta"):  # the 7B preset would need 27 GB for real
-        model = instantiate(cfg.model)
+        model = instantiate_model(cfg.model)
         model.configure_model()  # the architecture is built in Lightning's hook (meta here, as in the strategies)
     assert isinstance(model, L.LightningModule)
     plan = model.parallel_plan()
@@ -112,7 +113,7 @@ def test_experiment_yaml_composes(name, tmp_path):
     cfg = composed(f"experiment={name}", tmp=tmp_path)
     instantiate(cfg.strategy)
     with torch.device("meta"):
-        instantiate(cfg.model)
+        instantiate_model(cfg.model)
     instantiate(cfg.data)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_par.models.build import instantiate_model
 from lightning_par.costs.activations import in_flight_micro_batches
 from lightning_par.costs.peak import step_peak, zero2_staged
 from lightning_par.costs.shape import Shape
@@ -212,13 +213,12 @@ def test_hf_preset_counts_are_the_transformers_models(name, total) -> None:
     ``model=<name>`` config, ``HFCausalLM`` on the meta device. The tied head counts once in the total;
     the layer's, the embedding's and the head's counts and each linear's are the model's own; tensor
     parallelism splits every matrix (vocabulary rows of the shared table included), not the norms."""
-    from hydra.utils import instantiate
 
     from lightning_par.costs.comm import CommShape
     from tests.helpers import composed
 
     n, shape = model_shape(name)
-    module = instantiate(composed(f"model={name}", f"data.seq_len={shape.seq_len}").model)
+    module = instantiate_model(composed(f"model={name}", f"data.seq_len={shape.seq_len}").model)
     net = module.build_hf("meta")
     layer, cfg, u = net.model.layers[0], module.hf_config, shape.units()
     assert n == u["total"] == sum(p.numel() for p in net.parameters()) == total  # a shared parameter once

@@ -59,7 +59,8 @@ def killed_rank_sweep(tmp_path_factory):
     start = time.monotonic()
     proc = run_cli(["-m", *DDP2, "+callbacks.fault._target_=tests.fault.KillRankAt", "+callbacks.fault.step=7,1000",
                     "+callbacks.fault.rank=1", "+callbacks.probe._target_=tests.fault.RecordRankState",
-                    f"hydra.sweep.dir={sweep}"], sweep, timeout=240, check=False)
+                    f"hydra.sweep.dir={sweep}"], sweep, timeout=240, check=False,
+                   fork=False)  # a real command: rank 0 must start as a command does, not forked
     return proc, sweep, time.monotonic() - start
 
 

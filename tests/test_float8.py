@@ -8,12 +8,16 @@ Bounds, measured on gpt_tiny (fp32 master weights, 12 AdamW steps, gloo):
 - float8 under a strategy at N ranks against float8 on one device: 4.7e-4 (tensorwise), 1.8e-4 (rowwise). Not
   rounding-exact, and cannot be: the dynamic scales of the activations and output gradients are computed
   over the tokens a matmul sees, which is the rank's share of the batch. Bound 2e-3.
-- float8 under the strategies at the same world size, against each other: the ranks see the same shares
-  (data-parallel ranks and the pipeline's micro-batches split the batch alike), so they agree to fp32
-  rounding. Bound rtol 1e-5, the suite's usual one for 12 AdamW steps.
+- float8 under the strategies at one world size, against each other: the ranks see the same shares (data-
+  parallel ranks and the pipeline's micro-batches split the batch alike), yet not to fp32 rounding: a
+  weight 1e-7 off (gradients reduced in another order) can cross a float8 rounding boundary, a step of 1/16
+  of that element. Measured: equal at 2 ranks; zero3 against ddp at 4 ranks 9.6e-5 by step 12. The bound
+  is the scales' one above, against one device.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +34,6 @@ from tests.test_comm import assert_comm_matches  # noqa: E402
 
 ROUNDING = 2e-2  # float8 against the same run without it
 SCALES = 2e-3  # float8 at N ranks against float8 on one device
-SAME_SHARES = 1e-5  # float8 under strategies at the same world size
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -215,13 +218,10 @@ def test_float8_under_every_strategy_at_two_ranks(recipe):
     single = runs["single"]
     assert single["float8"]["layers"] == 12 and single["float8"]["emulated"], single["float8"]
     assert 0 < _rel(single["losses"], plain["losses"]) < ROUNDING  # float8 rounds, within its bound
-    ddp = runs["ddp"]
     for name in TWO_RANKS.split(","):
         s = runs[name]
         assert s["world_size"] == (1 if name == "single" else 2), (name, s["world_size"])
         assert _rel(s["losses"], single["losses"]) < SCALES, name
-        if name in DATA_PARALLEL.split(",")[1:]:  # the batch split alike
-            np.testing.assert_allclose(s["losses"], ddp["losses"], rtol=SAME_SHARES, err_msg=name)
     assert runs["tensor_parallel"]["float8"]["layers_on_rank"] == 12  # every layer, split
     # FSDP all-gathers tensorwise weights in float8 (torchao's weight wrapper survived materialisation): the
     # measured gathers fall by 3 of every 4 bytes of the converted weights, and the comm model says so
@@ -244,8 +244,6 @@ def test_float8_at_four_ranks_matches_one_device():
     for name, s in runs.items():
         assert s["world_size"] == 4 and s["float8"]["recipe"] == "tensorwise", (name, s["world_size"])
         assert _rel(s["losses"], single["losses"]) < SCALES, name
-        if name != "fsdp_tp":  # 2 x tp 2: its batch is split in two, not four
-            np.testing.assert_allclose(s["losses"], runs["ddp"]["losses"], rtol=SAME_SHARES, err_msg=name)
         assert_comm_matches(s, cross_check=False)  # hsdp: float8 gathers within each replica; fsdp_tp: and tp
     assert runs["fsdp_tp"]["mesh"] == {"dp_shard": 2, "tp": 2}, runs["fsdp_tp"]["mesh"]
 
@@ -276,3 +274,85 @@ def test_float8_composes_with_compile_and_selective_checkpointing():
         assert s["compile"]["modules"] == 2 and s["compile"]["graph_breaks"] == 0, (name, s["compile"])
         assert s["activation_checkpointing"] == {"selective": 2} and s["float8"]["layers"] == 12, name
         assert _rel(s["losses"], eager[name]["losses"]) < SCALES, name
+
+
+# --------------------------------------------------------------------------- every causal LM of transformers
+
+MAX_PARAMS = 5_000_000  # as the TP walk: a family whose tiny config keeps a part at full size is not built
+
+
+def _walk_one(model_type: str) -> tuple[str, str]:
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.models.hf.causal_lm import LogitsOnly
+    from lightning_par.models.hf.registry import tiny_config
+    from lightning_par.parallel.precision.float8 import modified_in_place
+
+    try:
+        config = tiny_config(model_type)
+        for key, value in config.to_dict().items():  # no dropout: the two copies would draw different masks
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
+            return "unbuildable", "a part at full size"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float()
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        converted = copy.deepcopy(model)
+        ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+        ref = model(input_ids=ids, labels=ids).loss
+        ref.backward()
+    except Exception as e:  # noqa: BLE001 -- transformers' own refusal of the tiny sizes, without float8
+        return "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+    paths = convertible(converted)
+    if not paths:  # GPT-2's Conv1D layers are not nn.Linear: the strategies refuse these in one line
+        return "nothing to convert", ""
+    try:
+        probe = LogitsOnly(meta)  # the meta-device forward HFCausalLM runs (an explicit causal mask)
+        try:
+            own = tuple(p.removeprefix("net.") for p in
+                        modified_in_place(probe, lambda: probe(ids.to("meta")), ["net." + p for p in paths]))
+        except Exception:  # noqa: BLE001 -- as the strategy: a forward meta cannot run (MoE grouped_mm): no probe
+            own = ()
+        apply_float8(converted, Float8("tensorwise", emulate=True, own_output=own))
+        loss = converted(input_ids=ids, labels=ids).loss
+        loss.backward()
+    except Exception as e:  # noqa: BLE001 -- the walk's finding
+        return "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    rel = abs(loss.item() - ref.item()) / abs(ref.item())
+    grads = all((converted.get_submodule(p).weight.grad is None) == (model.get_submodule(p).weight.grad is None)
+                for p in paths)
+    if not (rel < ROUNDING and grads):
+        return "failed", f"loss {rel:.2e} from the unconverted model's, gradients where it has them: {grads}"
+    return "trained", f"{len(paths)} layers, {len(own)} with an output of their own, loss {rel:.1e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_causal_lm_of_transformers_trains_in_float8_or_has_nothing_to_convert():
+    """Each family of transformers' registry built tiny (as the TP walk), one forward and backward with float8
+    (tensorwise, emulated) against the same model without it: within the rounding bound, with gradients
+    where the plain model has them. Layers whose output the model changes in place (Falcon, Llama-4) are
+    found by the meta-device probe and get an output of their own. Counts in docs/strategies.md."""
+    from collections import Counter
+
+    from lightning_par.models.hf.registry import causal_lm_types
+
+    outcome = {mt: _walk_one(mt) for mt in causal_lm_types()}
+    failed = {mt: why for mt, (kind, why) in outcome.items() if kind == "failed"}
+    assert not failed, failed
+    counts = Counter(kind for kind, _ in outcome.values())
+    assert {mt for mt, (kind, _) in outcome.items() if kind == "nothing to convert"} == {"gpt2", "gpt-sw3", "openai-gpt"}
+    assert counts["trained"] >= 140, counts
+    own = {mt for mt, (kind, why) in outcome.items() if kind == "trained" and ", 0 with" not in why}
+    assert {"falcon", "llama4_text"} <= own, own
+    import re
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "strategies.md").read_text()
+    said = re.search(r"float8 walk: (\d+) of (\d+) families train", doc)
+    assert said and (int(said[1]), int(said[2])) == (counts["trained"], len(outcome)), (said and said[0], counts)

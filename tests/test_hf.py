@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_par.models.build import instantiate_model
 from lightning_par.models.hf.causal_lm import HFCausalLM, LogitsOnly
 from lightning_par.parallel.hf.plan import (
     HF_STYLES,
@@ -300,12 +301,11 @@ def test_missing_transformers_says_how_to_install():
 def test_realistic_preset_size():
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.utils import instantiate
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_par.conf", version_base="1.3"):
         cfg = compose("config", overrides=["model=hf_llama_1b"])
-    m = instantiate(cfg.model)
+    m = instantiate_model(cfg.model)
     n = sum(p.numel() for p in m.build_hf("meta").parameters())
     assert 1.2e9 < n < 1.3e9, n  # Llama-3.2-1B: 1.24B with tied embeddings
 

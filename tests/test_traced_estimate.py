@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_par.models.build import instantiate_model
 from lightning_par.costs.traced import _precision_context, trace_model
 from lightning_par.costs.estimate import estimate_traced
 from lightning_par.models.hf.causal_lm import HFCausalLM
@@ -161,17 +162,16 @@ def test_mode_estimate_traces_a_hugging_face_model(tmp_path):
 def test_batch_size_finder_is_seeded_by_the_trace(tmp_path):
     """mode=find_batch_size starts from the largest power of two the estimate fits: for a model without
     a GPT shape it used to start at 1; it now traces each size."""
-    from hydra.utils import instantiate
 
     from lightning_par.modes.batch_size import estimator_seed
     from tests.helpers import composed
 
     cfg = composed("model=hf_causal_lm", "data.seq_len=64", tmp=tmp_path)
-    at = {m: estimate_traced(trace_model(lambda: instantiate(cfg.model), m), devices=1, strategy="single").peak
+    at = {m: estimate_traced(trace_model(lambda: instantiate_model(cfg.model), m), devices=1, strategy="single").peak
           for m in (4, 8)}
     assert at[4] < at[8]
-    assert estimator_seed(cfg, instantiate(cfg.model), "single", 1, at[4], 64) == 4
-    assert estimator_seed(cfg, instantiate(cfg.model), "single", 1, at[8], 64) == 8
+    assert estimator_seed(cfg, instantiate_model(cfg.model), "single", 1, at[4], 64) == 4
+    assert estimator_seed(cfg, instantiate_model(cfg.model), "single", 1, at[8], 64) == 8
 
 
 # --- torchao's AdamW8bit in the trace (issue 34) -------------------------------------------------
@@ -191,11 +191,10 @@ def _estimate(tmp_path, *overrides: str) -> tuple[dict, dict]:
 
 def _hf_numels(tmp_path, *overrides: str) -> list[int]:
     """Element counts of the configured Hugging Face model's parameter tensors (built on meta)."""
-    from hydra.utils import instantiate
 
     from tests.helpers import composed
 
-    module = instantiate(composed(*overrides, tmp=tmp_path).model)
+    module = instantiate_model(composed(*overrides, tmp=tmp_path).model)
     with torch.device("meta"):
         module.configure_model()
     return [p.numel() for p in module.parameters()]
@@ -251,13 +250,12 @@ def test_mode_estimate_adamw8bit_on_a_hugging_face_model(tmp_path):
         assert single["peak"] > single["states"] > 0
         states[name] = single["optimizer_state"]
     # the trace ran on fake tensors, not on trace_model's real-tensor fallback (the model in host memory)
-    from hydra.utils import instantiate
 
     from lightning_par.costs.traced import trace_step
     from tests.helpers import composed
 
     cfg = composed("model=hf_causal_lm", "model.optimizer=adamw8bit", tmp=tmp_path)
-    assert trace_step(instantiate(cfg.model), 2).backward.optimizer_state == states["adamw8bit"]
+    assert trace_step(instantiate_model(cfg.model), 2).backward.optimizer_state == states["adamw8bit"]
     numels = _hf_numels(tmp_path, "model=hf_causal_lm")
     n = sum(numels)
     expected = optimizer_state_bytes(n, "adamw8bit", tensor_numels=numels) / optimizer_state_bytes(n, "adamw")

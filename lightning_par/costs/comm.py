@@ -325,14 +325,17 @@ class _Step:
     float8_params: int = 0
     float8_tensors: int = 0
 
-    def fsdp(self, params: int, kept: int, axis: str, reshard: bool, root: int = 0) -> None:
+    def fsdp(self, params: int, kept: int, axis: str, reshard: bool, root: int = 0, tp: int = 1) -> None:
         """FSDP over ``axis``: gathered in forward and again in backward (``reshard``; ``kept`` only
         once), or once and the root (``root`` parameters) again; reduce-scattered once. Weights gathered
-        in float8 (in the blocks, never the root) travel at 1 byte, after an all-reduce of their scale."""
+        in float8 (in the blocks, never the root) travel at 1 byte, after an all-reduce of their scale; ``tp``:
+        the parameters are this tp rank's split (each weight in part, every weight's scale reduced)."""
         if self.shard <= 1:
             return
-        share = params / self.P if self.P else 0.0  # of the float8 weights: this call's part of the model
-        f8, f8_tensors = int(round(self.float8_params * share)), int(round(self.float8_tensors * share))
+        # of the float8 weights, this call's part of the model (a pipeline stage's); tp splits each of them
+        part = min(1.0, (params / self.P if self.P else 0.0) * tp)
+        f8 = int(round(self.float8_params * part / tp))
+        f8_tensors = int(round(self.float8_tensors * part))
         gathers = 2 if reshard else 1
         _add(self.out, "all_gather", axis, (2 * params - kept if reshard else params + root) * self.b
              - gathers * f8 * (self.b - 1))
@@ -386,7 +389,7 @@ def _tensor_parallel(s: _Step) -> None:
 
 def _fsdp_tp(s: _Step) -> None:
     _tp_activation_comm(s.out, s.shape, s.tp, s.b, 1, s.sequence_parallel)
-    s.fsdp(s.shape.tp_params(s.tp), s.kept_params, "dp_shard", s.reshard_after_forward, s.root(s.tp))
+    s.fsdp(s.shape.tp_params(s.tp), s.kept_params, "dp_shard", s.reshard_after_forward, s.root(s.tp), tp=s.tp)
 
 
 def _pipeline_dp(s: _Step, tp: int | None) -> None:

@@ -309,7 +309,8 @@ def _hf_preset_shape(name: str, seq_len: int | None) -> Shape:
     transformers config; no layer is built), its shape as it declares it (``cost_shape``: ``Shape.of_hf``)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.utils import instantiate
+
+    from lightning_par.models.build import instantiate_model
 
     overrides = [f"model={name}"] + ([f"data.seq_len={seq_len}"] if seq_len else [])
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: compose beside it (as run/facts.py does)
@@ -318,7 +319,7 @@ def _hf_preset_shape(name: str, seq_len: int | None) -> Shape:
         with initialize_config_module("lightning_par.conf", version_base="1.3"):
             cfg = compose("config", overrides=overrides).model
     try:
-        module = instantiate(cfg)
+        module = instantiate_model(cfg)
     except Exception as e:  # hydra wraps the constructor's error: show the cause in one line
         cause = e.__cause__ or e
         raise ValueError(f"model={name}: {type(cause).__name__}: {cause}") from None

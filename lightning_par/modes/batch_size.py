@@ -105,12 +105,12 @@ def estimator_seed(cfg: DictConfig, model: Any, strategy: str, world: int, cap: 
             return estimate(config.n_params, devices=world, strategy=strategy, precision=precision,
                             optimizer=optimizer, shape=shape, micro_batch_size=micro).total
     else:
-        from hydra.utils import instantiate
+        from lightning_par.models.build import instantiate_model
 
         from lightning_par.costs.traced import trace_model
 
         def peak(micro: int) -> int:
-            traced = trace_model(lambda: instantiate(cfg.model), micro, precision=precision)
+            traced = trace_model(lambda: instantiate_model(cfg.model), micro, precision=precision)
             return estimate_traced(traced, devices=world, strategy=strategy).peak
     m = 1
     try:

@@ -156,9 +156,9 @@ def _declared_shape(model_cfg: Any, seq_len: int | None, required: bool) -> Any:
 
 def _module(model_cfg: Any) -> Any:
     """A fresh, unbuilt instance of the configured model (each trace builds its own)."""
-    from hydra.utils import instantiate
+    from lightning_par.models.build import instantiate_model
 
-    return instantiate(model_cfg)
+    return instantiate_model(model_cfg)
 
 
 def _count(module: Any) -> int:

@@ -112,7 +112,7 @@ def gpt_shape(model_cfg: Any, seq_len: int | None = None):
     """The ``costs.shape.Shape`` of the GPT or MoE decoder that ``model_cfg`` builds, as the module
     declares it (``cost_shape``, read by ``Shape.of_model``) at ``seq_len`` (default: the module's);
     None for other models."""
-    from hydra.utils import instantiate
+    from lightning_par.models.build import instantiate_model
 
     from lightning_par.costs.shape import Shape
     from lightning_par.models.module import GPTModule
@@ -121,7 +121,7 @@ def gpt_shape(model_cfg: Any, seq_len: int | None = None):
     if not target.endswith(("GPTModule", "MoEModule")):
         return None
     try:
-        module = instantiate(model_cfg)  # builds no layers: GPTModule resolves its config only
+        module = instantiate_model(model_cfg)  # builds no layers: GPTModule resolves its config only
     except Exception as e:
         cause = e.__cause__ or e
         raise ConfigError(f"{type(cause).__name__}: {cause}") from None

@@ -1,7 +1,7 @@
 """``model.float8``, from the config to the strategy: a choice about the model's arithmetic that no model
-constructor takes, applied by every lightning_par strategy (``parallel/precision/float8.py``). Entry layer:
-``pop_float8`` takes it out of the model's config node before the model is built; ``set_float8`` checks it
-(value, strategy, device) and hands it to the strategy, before any process starts."""
+constructor takes (``models/build.RUN_OPTIONS``), applied by every lightning_par strategy
+(``parallel/precision/float8.py``). Entry layer: ``float8_of`` reads it from the model's config node;
+``set_float8`` checks it (value, strategy, device) and hands it to the strategy, before any process starts."""
 
 from __future__ import annotations
 
@@ -12,22 +12,17 @@ from lightning_par.parallel.precision.float8 import device_refusal, float8_optio
 from lightning_par.strategies.base import ParStrategyMixin
 
 
-def pop_float8(model_cfg: Any) -> tuple[Any, str | None]:
-    """The model's config without its ``float8`` key, and that option as a recipe name or None."""
-    import copy
-
-    from omegaconf import DictConfig, open_dict
+def float8_of(model_cfg: Any) -> str | None:
+    """The model's ``float8`` option as a recipe name or None (the model is built without it:
+    ``models/build.instantiate_model``)."""
+    from omegaconf import DictConfig
 
     if not isinstance(model_cfg, DictConfig) or "float8" not in model_cfg:
-        return model_cfg, None
+        return None
     try:
-        recipe = float8_option(model_cfg.float8)
+        return float8_option(model_cfg.float8)
     except ValueError as e:
         raise ConfigError(f"model.{e}") from None
-    rest = copy.deepcopy(model_cfg)  # keeps its place in the config: its interpolations still resolve
-    with open_dict(rest):
-        del rest["float8"]
-    return rest, recipe
 
 
 def set_float8(strategy: Any, recipe: str | None, accelerator: str) -> None:

@@ -115,7 +115,7 @@ def _traced_peak(cfg: Any, name: str, strategy: Any, dims: Any, micro: int, prec
     traced on fake tensors (``costs/traced.py``, CPU kernels: on CUDA an upper bound for attention),
     re-held as a data-parallel strategy holds it. Why not, where the strategy splits the model (tp, pp,
     ep: asked first, before tracing) or the step cannot be traced."""
-    from hydra.utils import instantiate
+    from lightning_par.models.build import instantiate_model
 
     from lightning_par.costs.traced import trace_model
     from lightning_par.costs.estimate import estimate_traced, strategy_layout
@@ -129,7 +129,7 @@ def _traced_peak(cfg: Any, name: str, strategy: Any, dims: Any, micro: int, prec
         return (f"strategy={name} splits {what} (tp={lay.tp}, pp={lay.pp}, ep={lay.ep}), and a model without a GPT "
                 "shape is priced from one traced step under data-parallel strategies only")
     try:
-        traced = trace_model(lambda: instantiate(cfg.model), micro, precision=precision)
+        traced = trace_model(lambda: instantiate_model(cfg.model), micro, precision=precision)
         est = estimate_traced(traced, devices=dims.world_size, strategy=name, layout_=lay)
     except Exception as exc:  # noqa: BLE001 - a model the tracer cannot run is not checked, and said so
         return f"one training step of {what} could not be traced ({_what_failed(exc)})"

@@ -169,13 +169,14 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     each value's type and range (``config_values.check_config_values``) once per launch, by the launching
     process (``cli._run``) before any rank starts -- not again here, nor in the child ranks."""
     try:
-        from lightning_par.run.float8_option import pop_float8
+        from lightning_par.models.build import instantiate_model
+        from lightning_par.run.float8_option import float8_of
         from lightning_par.run.tiling_option import pop_tiling, set_tiling
 
         strategy_cfg, tiling = pop_tiling(cfg.strategy)  # an option of every strategy (run/tiling_option.py)
-        model_cfg, float8 = pop_float8(cfg.model)  # applied by the strategy (run/float8_option.py)
+        float8 = float8_of(cfg.model)  # applied by the strategy (run/float8_option.py)
         strategy = instantiate(strategy_cfg)
-        model = instantiate(model_cfg)
+        model = instantiate_model(cfg.model)
         datamodule = instantiate(cfg.data)
         callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
         with torch.device("meta"):  # what the strategies will do too: shapes only, no memory

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -42,16 +43,20 @@ from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, 
 from lightning_par.parallel.hf.save import install_sharded_save
 from lightning_par.parallel.init.init_trace import InitTrace
 from lightning_par.parallel.layout import CostOptions
-from lightning_par.parallel.init.materialize import canonical_name
+from lightning_par.parallel.contract import example_input_of
+from lightning_par.parallel.init.materialize import canonical_name, has_meta_tensors
 from lightning_par.parallel.mesh import ParallelDims, dp_coordinates
 from lightning_par.parallel.parallelize import Techniques, parallelize
 from lightning_par.parallel.hf.from_pretrained import transformers_from_pretrained_on_meta
 from lightning_par.parallel.sharding.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_par.parallel.memory.checkpointing import checkpointed_blocks, checkpointing_mode
 from lightning_par.parallel.memory.tiling import check_tiling
-from lightning_par.parallel.precision.float8 import Float8, convertible, device_refusal, float8_option, float8_weights
+from lightning_par.parallel.precision.float8 import (Float8, convertible, device_refusal, float8_option, float8_weights,
+                                                     modified_in_place)
 from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 from lightning_par.core.fork_ranks import ChildEntry
+
+log = logging.getLogger(__name__)
 
 # LightningModule methods that run the model: FSDP's root hooks must fire on them even when they
 # call submodules directly instead of ``self(...)``
@@ -213,9 +218,11 @@ class ParStrategyMixin:
             raise ValueError(f"float8={recipe}: no linear layer of {type(module).__name__} can compute in float8 "
                              "(both dimensions multiples of 16, not the output head): set float8=false")
 
-    def float8_step(self, fully_shard: Any) -> Float8 | None:
+    def float8_step(self, fully_shard: Any, module: nn.Module, paths: list[str]) -> Float8 | None:
         """``parallelize``'s float8 step on this rank's device: emulated off CUDA; tensorwise weights all-gathered
-        in float8 under FSDP (not with CPU offload, whose shards torchao's all-gather does not handle)."""
+        in float8 under FSDP (not with CPU offload, whose shards torchao's all-gather does not handle); the
+        layers ``paths`` whose output the model changes in place found by one forward on the meta device (a
+        model built with real tensors is not probed)."""
         recipe = float8_option(self.float8)
         if recipe is None:
             return None
@@ -223,7 +230,16 @@ class ParStrategyMixin:
         if refusal:
             raise ConfigError(refusal)
         gather = recipe == "tensorwise" and fully_shard is not None and not fully_shard.cpu_offload
-        return Float8(recipe, emulate=self.root_device.type != "cuda", fsdp_all_gather=gather)
+        example = example_input_of(module)
+        own: tuple[str, ...] = ()
+        if example is not None and has_meta_tensors(module):
+            try:
+                own = modified_in_place(module, lambda: module(example(1, "meta")), paths)
+            except Exception as e:  # noqa: BLE001 -- a forward that cannot run on meta: nothing found, said why
+                log.warning("float8: the meta-device forward that finds outputs changed in place failed (%s: %s); "
+                            "a layer whose output the model changes in place will fail at its first step",
+                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return Float8(recipe, emulate=self.root_device.type != "cuda", fsdp_all_gather=gather, own_output=own)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -307,7 +323,7 @@ class ParStrategyMixin:
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
                           init_trace=trace, activation_checkpointing=checkpointing_mode(self.activation_checkpointing),
                           own_checkpointing=checkpointing_fn_of(module), **compile_fields(self.compile),
-                          float8=self.float8_step(steps.get("fully_shard")), **steps)
+                          float8=self.float8_step(steps.get("fully_shard"), module, list(whole)), **steps)
         tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
         stages = parallelize(module, replace(spec, tiling=check_tiling(self.tiling, tp_plan)))
         # a Hugging Face model now sharded (DTensors) or cut: transformers' save_pretrained would fail or write

@@ -181,7 +181,7 @@ class HFCausalLM(ParModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.built:
             raise RuntimeError("HFCausalLM: the model is built in configure_model(); call it first")
-        return self.net(input_ids=x, use_cache=False).logits
+        return self.net(input_ids=x, attention_mask=meta_causal_mask(x), use_cache=False).logits
 
     def parallel_plan(self) -> ParallelPlan:
         if self._plan is None:
@@ -229,11 +229,16 @@ class LogitsOnly(nn.Module):
         self.net = net
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = None
-        if x.is_meta:
-            t = x.shape[1]
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], 1, t, t)
-        return self.net(input_ids=x, attention_mask=mask, use_cache=False).logits
+        return self.net(input_ids=x, attention_mask=meta_causal_mask(x), use_cache=False).logits
+
+
+def meta_causal_mask(x: torch.Tensor) -> torch.Tensor | None:
+    """An explicit causal mask for token ids ``x`` on the meta device (a forward there: FLOP counting, float8's
+    probe of outputs changed in place); None elsewhere, where the model builds its own."""
+    if not x.is_meta:
+        return None
+    t = x.shape[1]
+    return torch.ones(t, t, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], 1, t, t)
 
 
 def _max_positions(cfg: Any) -> int | None:

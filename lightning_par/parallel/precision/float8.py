@@ -24,7 +24,7 @@ its losses next to bf16's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +40,14 @@ MIN_CAPABILITY = (8, 9)
 
 @dataclass(frozen=True)
 class Float8:
-    """The float8 step of ``parallelize``: the recipe, whether to emulate (no float8 hardware: CPU), and
-    whether FSDP2 all-gathers the converted weights in float8 (tensorwise under FSDP)."""
+    """The float8 step of ``parallelize``: the recipe, whether to emulate (no float8 hardware: CPU), whether
+    FSDP2 all-gathers the converted weights in float8 (tensorwise under FSDP), and the layers whose output
+    the model modifies in place (``modified_in_place``), which get an output of their own."""
 
     recipe: str
     emulate: bool = False
     fsdp_all_gather: bool = False
+    own_output: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -115,7 +117,38 @@ def apply_float8(module: nn.Module, spec: Float8, heads: Iterable[str] = ()) -> 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(spec.recipe), emulate=spec.emulate,
                                  enable_fsdp_float8_all_gather=spec.fsdp_all_gather)
     convert_to_float8_training(module, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen)
+    for path in chosen.intersection(spec.own_output):
+        module.get_submodule(path).register_forward_hook(_own_output)
     return sorted(chosen)
+
+
+def _own_output(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+    # torchao's matmul Function returns a view it made (a reshape of its product): autograd forbids changing
+    # such a view in place, which a decoder may do to a projection's output (Falcon's ``mlp_output +=
+    # attention_output``, Llama-4's residual add). One copy, only for the layers the probe found.
+    return out.clone()
+
+
+def modified_in_place(module: nn.Module, forward: Callable[[], object], paths: Iterable[str]) -> tuple[str, ...]:
+    """The layers among ``paths`` whose output the model's ``forward()`` (a meta-device forward: shapes only)
+    modifies in place, read from the outputs' version counters: under float8 each needs an output of its own
+    (``Float8.own_output``)."""
+    seen: dict[str, list[tuple[torch.Tensor, int]]] = {}
+
+    def record(path: str) -> Callable:
+        def hook(_m: nn.Module, _args: tuple, out: object) -> None:
+            if isinstance(out, torch.Tensor):
+                seen.setdefault(path, []).append((out, out._version))
+        return hook
+
+    handles = [module.get_submodule(p).register_forward_hook(record(p)) for p in paths]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return tuple(sorted(p for p, outs in seen.items() if any(o._version != v for o, v in outs)))
 
 
 def float8_weights(module: nn.Module) -> list[torch.Tensor]:
