@@ -56,8 +56,9 @@ def test_cpu_needs_a_cap(tmp_path):
 
 @pytest.mark.slow
 def test_zero3_picks_the_largest_size_under_the_cap(tmp_path):
-    small = run_try(JOB, 1, 2, 2, str(tmp_path / "calibrate"), 240, None, on_cuda=False)
-    large = run_try(JOB, 8, 2, 2, str(tmp_path / "calibrate"), 240, None, on_cuda=False)
+    # a cap between the peaks at micro-batches 2 and 4: the search doubles 1, 2, 4 (over) and bisects to 3
+    small = run_try(JOB, 2, 2, 2, str(tmp_path / "calibrate"), 240, None, on_cuda=False)
+    large = run_try(JOB, 4, 2, 2, str(tmp_path / "calibrate"), 240, None, on_cuda=False)
     assert large.peak_bytes > small.peak_bytes, (small, large)  # activations grow with the micro-batch
     cap = (small.peak_bytes + large.peak_bytes) / 2
     proc = run_cli(["mode=find_batch_size", *JOB, f"find_batch_size.max_memory_gb={cap / GiB}",
@@ -66,7 +67,7 @@ def test_zero3_picks_the_largest_size_under_the_cap(tmp_path):
         result = json.load(f)["find_batch_size"]
     tries = {t["micro_batch_size"]: t for t in result["tries"]}
     best = result["max_micro_batch_size"]
-    assert 1 <= best < 8, result
+    assert 2 <= best < 4 and 3 in tries, result  # found by bisection between 2 (fits) and 4 (over)
     assert tries[best]["fits"] and tries[best]["peak_bytes"] <= cap
     assert not tries[best + 1]["fits"] and tries[best + 1]["peak_bytes"] > cap
     # global batch 8 over 2 ranks: 4 per rank, in the fewest accumulation steps whose micro-batch fits
