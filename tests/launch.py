@@ -125,11 +125,10 @@ def run(cmd: list, **kwargs: Any) -> subprocess.CompletedProcess:
                 files.append(open(Path(tmp) / name, "w+b"))  # noqa: SIM115 -- closed below
             elif given == subprocess.STDOUT:
                 files.append(files[0])
-            elif given is None:
-                files.append(sys.stdout if name == "stdout" else sys.stderr)
-            else:
+            else:  # None: this process's own output, as a command's
                 files.append(given)
-        fds = [f.fileno() for f in files]
+        fds = [f.fileno() if f is not None else 1 if i == 0 or kwargs.get("stderr") == subprocess.STDOUT else 2
+               for i, f in enumerate(files)]
         ctx = context()
         from multiprocessing import forkserver
 
@@ -152,7 +151,7 @@ def run(cmd: list, **kwargs: Any) -> subprocess.CompletedProcess:
                for f, n in zip(files, ("stdout", "stderr"))]
         if kwargs.get("stderr") == subprocess.STDOUT:
             out[1] = None
-        for f in {id(f): f for f in files if f not in (sys.stdout, sys.stderr)}.values():
+        for f in {id(f): f for f in files if f is not None}.values():
             if kwargs.get("stdout") is not f and kwargs.get("stderr") is not f:
                 f.close()
     if code is None:

@@ -98,6 +98,13 @@ def test_a_model_float8_cannot_run_and_a_bad_value_are_refused_in_one_line(tmp_p
     single.float8 = "rowwise"
     with pytest.raises(ValueError, match=r"^float8=rowwise: no linear layer of Small can compute in float8"):
         single.check_float8(Small())
+    import importlib.util
+
+    real = importlib.util.find_spec
+    with pytest.MonkeyPatch.context() as mp:  # an environment without torchao: said before any process starts
+        mp.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+        with pytest.raises(ValueError, match=r'^float8 needs torchao: pip install "lightning-par\[float8\]"$'):
+            single.check_float8(Small())
 
     from tests.helpers import run_cli
 

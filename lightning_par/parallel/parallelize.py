@@ -50,7 +50,7 @@ from lightning_par.parallel.init.materialize import InitFn, capture_templates, h
 from lightning_par.parallel.init.weights import weight_sources
 from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
 from lightning_par.parallel.memory.tiling import apply_tiling, check_tiling, with_tied_partners
-from lightning_par.parallel.precision.float8 import Float8, apply_float8
+from lightning_par.parallel.precision.float8 import Float8, apply_float8, output_layers
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
         check_tiling(tiling, plan.tp_plan)
     tiles = apply_tiling(module, tiling) if tiling else []
     stages = spec.cut(module) if spec.cut is not None else [module]                      # cut stages
-    heads = [path for path, style in plan.tp_plan.items() if style == "output"]
+    heads = output_layers(plan.tp_plan)
     for stage in stages:
         if spec.float8 is not None:                                                      # float8
             apply_float8(stage, spec.float8, heads=heads)

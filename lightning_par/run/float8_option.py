@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_par import ConfigError
-from lightning_par.parallel.precision.float8 import device_refusal, float8_option
+from lightning_par.parallel.precision.float8 import device_refusal, float8_option, missing_torchao
 from lightning_par.strategies.base import ParStrategyMixin
 
 
@@ -32,6 +32,8 @@ def set_float8(strategy: Any, recipe: str | None, accelerator: str) -> None:
         return
     if not isinstance(strategy, ParStrategyMixin):
         raise ConfigError(f"model.float8={recipe} needs a lightning_par strategy, not {type(strategy).__name__}")
+    if missing_torchao():
+        raise ConfigError(f"model.{missing_torchao()}")
     if accelerator == "cuda":
         import torch
 

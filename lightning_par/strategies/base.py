@@ -52,7 +52,7 @@ from lightning_par.parallel.sharding.sync_batchnorm import convert_sync_batchnor
 from lightning_par.parallel.memory.checkpointing import checkpointed_blocks, checkpointing_mode
 from lightning_par.parallel.memory.tiling import check_tiling
 from lightning_par.parallel.precision.float8 import (Float8, convertible, device_refusal, float8_option, float8_weights,
-                                                     modified_in_place)
+                                                     missing_torchao, modified_in_place, output_layers)
 from lightning_par.strategies.checkpoint.dcp import DistributedCheckpointMixin
 from lightning_par.core.fork_ranks import ChildEntry
 
@@ -214,7 +214,9 @@ class ParStrategyMixin:
         recipe = float8_option(self.float8)
         if recipe is None:
             return
-        if not convertible(module, _output_layers(module)):
+        if missing_torchao():
+            raise ValueError(missing_torchao())
+        if not convertible(module, output_layers(resolve_plan(module).plan.tp_plan)):
             raise ValueError(f"float8={recipe}: no linear layer of {type(module).__name__} can compute in float8 "
                              "(both dimensions multiples of 16, not the output head): set float8=false")
 
@@ -318,7 +320,7 @@ class ParStrategyMixin:
         trace, self._init_trace = getattr(self, "_init_trace", None), None  # used once, then released
         steps = self.techniques(module, resolved)
         # the whole model's float8 layers (a pipeline cut leaves this rank only its own): for the comm model
-        whole = {p: module.get_submodule(p).weight.numel() for p in convertible(module, _output_layers(module))} \
+        whole = {p: module.get_submodule(p).weight.numel() for p in convertible(module, output_layers(resolved.plan.tp_plan))} \
             if float8_option(self.float8) else {}
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
                           init_trace=trace, activation_checkpointing=checkpointing_mode(self.activation_checkpointing),
@@ -368,11 +370,6 @@ class ParStrategyMixin:
             for state in _optimizer_states(opt):
                 states.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
         return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}
-
-
-def _output_layers(module: nn.Module) -> list[str]:
-    """The plan's output layers (its tensor-parallel style "output"): float8 leaves them alone."""
-    return [path for path, style in resolve_plan(module).plan.tp_plan.items() if style == "output"]
 
 
 def compile_fields(option: bool | dict[str, Any] | None) -> dict[str, Any]:

@@ -77,6 +77,20 @@ def device_refusal(device: torch.device) -> str | None:
     return None
 
 
+def output_layers(tp_plan: dict[str, str]) -> list[str]:
+    """The plan's output layers (its tensor-parallel style "output"): float8 leaves them alone."""
+    return [path for path, style in tp_plan.items() if style == "output"]
+
+
+def missing_torchao() -> str | None:
+    """Why float8 cannot run in this environment (None: torchao is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return 'float8 needs torchao: pip install "lightning-par[float8]"'
+    return None
+
+
 def excluded(model: nn.Module, heads: Iterable[str] = ()) -> set[str]:
     """Paths of the linear layers never converted: ``heads`` (the plan's output layers) and every module
     a submodule names as its output embeddings (Hugging Face's ``get_output_embeddings``), plus any
