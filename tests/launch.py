@@ -12,11 +12,13 @@ its own environment, working directory, argv, output files and torch thread coun
 state reset; SIGTERM unblocked and SIGINT at Python's default; ``multiprocessing``'s start method at the
 platform's default. Here, in addition: a session of its own (so a timeout kills everything it started), the
 first ``sys.path`` entry Python would give it, a fresh ``__main__``, and an uncaught exception printed and
-ended with exit 1 as the interpreter does. The program's own fork server (a CPU job's ranks) starts fresh
+ended through ``sys.excepthook`` with exit 1 as the interpreter does. The program's own fork server (a CPU job's ranks) starts fresh
 in it, as in a command.
 
-What a fork cannot show, and the tests that keep real commands for it: the interpreter's start and the
-console scripts (test_install, test_first_run, test_doc_commands' ``--help`` checks), signals sent to a
+A console script of this environment (pip's wrapper, its first line ``#!`` and this interpreter) is forked
+as the kernel would run it, ``python SCRIPT``: the wrapper and its entry point run, the interpreter does not
+start. What a fork cannot show, and the tests that keep real commands for it: the interpreter's start and the
+console scripts' (test_install, test_first_run), signals sent to a
 process group or a shell's job (test_signals, test_faults), torchrun and Slurm (test_torchrun, test_slurm),
 and the product's own forking of commands (test_fork_ranks). Anything else that is not ``sys.executable``
 with a file, ``-m`` or ``-c`` (another program, interpreter flags, ``input=``) runs through ``subprocess.run``.
@@ -81,11 +83,30 @@ def context() -> Any:
 
 def _read_at_start(env: dict) -> dict[str, str]:
     """The variables the interpreter reads when it starts (PYTHONPATH, ...) and torch when it loads
-    (TORCH_LOGS, TORCH_CPP_LOG_LEVEL, ...): a program whose differ from the server's starts as a command.
+    (TORCH_LOGS, TORCH_CPP_LOG_LEVEL, ...): a program whose differ from the server's starts as a command
+    (PYTHONPATH: unless ``_same_preloads``).
     PYTHONUNBUFFERED is applied to a fork's streams, OMP_NUM_THREADS to torch's pool (the product's rank
     entry); Lightning's (PL_GLOBAL_SEED, set by seed_everything in a test's own process) and inductor's
     (TORCHINDUCTOR_*) are read when used."""
     return {k: v for k, v in env.items() if k.startswith(("PYTHON", "TORCH_")) and k != "PYTHONUNBUFFERED"}
+
+
+def _through_interpreter(cmd: list[str], env: dict | None) -> list[str]:
+    """A script whose first line is ``#!`` and this interpreter (pip's console scripts, ``lightning-par``;
+    a bare name found on the program's ``PATH``) as the kernel runs it: ``[sys.executable, SCRIPT, *args]``
+    -- then forked like any ``python SCRIPT``."""
+    import shutil
+
+    if not cmd or cmd[0] == sys.executable:
+        return cmd
+    script = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0], path=(os.environ if env is None else env).get("PATH"))
+    if script is None or not os.path.isfile(script):
+        return cmd
+    with open(script, "rb") as f:
+        first = f.readline(4096)
+    if first.rstrip(b"\r\n") != b"#!" + os.fsencode(sys.executable):
+        return cmd
+    return [sys.executable, script, *cmd[1:]]
 
 
 def _forkable(cmd: list[str], kwargs: dict) -> bool:
@@ -97,7 +118,29 @@ def _forkable(cmd: list[str], kwargs: dict) -> bool:
     if first not in ("-c", "-m") and first.startswith("-"):
         return False
     context()
-    return _read_at_start(os.environ if kwargs.get("env") is None else kwargs["env"]) == _started_with
+    wanted = _read_at_start(os.environ if kwargs.get("env") is None else kwargs["env"])
+    if not _same_preloads(wanted.pop("PYTHONPATH", ""), _started_with.get("PYTHONPATH", "")):
+        return False
+    return wanted == {k: v for k, v in _started_with.items() if k != "PYTHONPATH"}
+
+
+def _same_preloads(path: str, server_path: str) -> bool:
+    """Whether a program's ``PYTHONPATH`` lets it fork: every entry the server's lacks (the tests give the
+    repository, for a script that imports ``tests``) holds none of the preloaded packages, or the very files
+    the server imported -- so the program imports what it would as a command. ``main`` puts the entries on
+    its ``sys.path`` where the interpreter would."""
+    import importlib.util
+
+    tops = {m.split(".")[0] for m in PRELOAD}
+    for entry in (e for e in path.split(os.pathsep) if e and e not in server_path.split(os.pathsep)):
+        for top in tops:
+            here = [p for p in (Path(entry) / top / "__init__.py", Path(entry) / f"{top}.py") if p.exists()]
+            if not here:
+                continue
+            spec = importlib.util.find_spec(top)
+            if spec is None or spec.origin is None or Path(spec.origin).resolve() != here[0].resolve():
+                return False
+    return True
 
 
 _SUPPORTED = {"cwd", "env", "timeout", "capture_output", "text", "stdout", "stderr", "start_new_session", "check"}
@@ -109,7 +152,7 @@ def run(cmd: list, **kwargs: Any) -> subprocess.CompletedProcess:
     (an open file, or ``subprocess.STDOUT`` for stderr), ``check``, ``start_new_session`` (then what the
     program left running is killed when it ends). The program always runs in a session of its own, which is
     killed whole on a timeout."""
-    cmd = [str(c) for c in cmd]
+    cmd = _through_interpreter([str(c) for c in cmd], kwargs.get("env"))
     if not _forkable(cmd, kwargs):
         return subprocess.run(cmd, **kwargs)
     from lightning_par.core.fork_ranks import ChildEntry, ForkedRank, _InheritedFd, _main_not_reimported
@@ -183,6 +226,13 @@ def _launched(entry: Any, env: dict, cwd: str, stdout: Any, stderr: Any, server_
     _enter_rank(entry, env, cwd, stdout, stderr, server_pid)
 
 
+def _path_starts_with(first: str) -> None:
+    """``sys.path`` as the interpreter starts it: ``first`` (the script's folder, the working directory,
+    ``''``), then ``PYTHONPATH``'s entries (``_same_preloads``), then the rest (the server's)."""
+    sys.path[0] = first
+    sys.path[1:1] = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e and e not in sys.path[1:]]
+
+
 def main(argv: list[str]) -> None:
     """Run ``python *argv`` in this (forked) process, as the interpreter would: ``-c CODE``, ``-m MODULE`` or
     ``FILE``, with the arguments after it."""
@@ -190,7 +240,7 @@ def main(argv: list[str]) -> None:
 
     try:
         if argv[0] == "-m":  # python -m: the working directory first on the path; runpy's own entry
-            sys.path[0] = os.getcwd()
+            _path_starts_with(os.getcwd())
             sys.argv = list(argv[1:])
             sys.modules["__main__"] = types.ModuleType("__main__")
             runpy._run_module_as_main(argv[1], alter_argv=True)  # noqa: SLF001
@@ -198,11 +248,11 @@ def main(argv: list[str]) -> None:
         module = sys.modules["__main__"] = types.ModuleType("__main__")
         module.__builtins__ = __builtins__
         if argv[0] == "-c":  # python -c: '' first on the path, argv[0] '-c'
-            sys.path[0] = ""
+            _path_starts_with("")
             sys.argv = ["-c", *argv[2:]]
             source, filename = argv[1], "<string>"
         else:  # python FILE: the file's folder first on the path
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            _path_starts_with(os.path.dirname(os.path.abspath(argv[0])))
             sys.argv = list(argv)
             with open(argv[0], "rb") as f:
                 source = f.read()
@@ -216,6 +266,7 @@ def main(argv: list[str]) -> None:
         sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # the interpreter ends by the signal
-    except BaseException:  # noqa: BLE001 -- the interpreter's way: the traceback, exit 1
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 -- the interpreter's way: sys.excepthook (the product installs one), exit 1
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
         raise SystemExit(1) from None

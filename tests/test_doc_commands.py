@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import launch
 from tests.helpers import composed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +218,7 @@ def test_commands_with_flags_name_their_programs_flags() -> None:
     """Each program's --help, once; every flag the pages write is in it."""
     helps: dict[str, str] = {}
     missing = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for page, section, command in (c for c in ALL if kind(*c) == "flagged"):
         words = shlex.split(command)
         if words[0] in FLAGGED:
@@ -228,7 +229,7 @@ def test_commands_with_flags_name_their_programs_flags() -> None:
             program, args = [sys.executable, str(ROOT / words[1])], words[2:]
         key = json.dumps(program)
         if key not in helps:
-            proc = subprocess.run([*program, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+            proc = launch.run([*program, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
             assert proc.returncode == 0, f"{' '.join(program)} --help: {proc.stderr[-1500:]}"
             helps[key] = proc.stdout
         for flag in (a.split("=", 1)[0] for a in args if a.startswith("--")):
