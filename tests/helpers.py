@@ -74,7 +74,7 @@ def memtracker_step_peak(net: torch.nn.Module, vocab_size: int, batch: int, seq:
     but the first."""
     from contextlib import nullcontext
 
-    from lightning_par.models.module import ParModule
+    from lightning_par.models.module import cross_entropy
     from lightning_par.core.optim import OptimizerConfig, build_optimizer
 
     opt = build_optimizer(net.parameters(), OptimizerConfig("adamw", lr=1e-3))
@@ -85,7 +85,7 @@ def memtracker_step_peak(net: torch.nn.Module, vocab_size: int, batch: int, seq:
     def step() -> None:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
         with ctx:
-            loss = ParModule.loss_fn(net(x), y)
+            loss = cross_entropy(net(x), y)
             aux = aux_loss()
             if aux is not None:
                 loss = loss + aux

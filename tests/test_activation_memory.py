@@ -136,7 +136,7 @@ def saved_bytes_of_layer(net: torch.nn.Module, layer: torch.nn.Module, x: torch.
     copies in), counted with ``saved_tensors_hooks``."""
     from contextlib import nullcontext
 
-    from lightning_par.models.module import ParModule
+    from lightning_par.models.module import cross_entropy
 
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     seen: dict[int, tuple[bool, int]] = {}  # storage -> (first saved inside the layer, bytes)
@@ -152,7 +152,7 @@ def saved_bytes_of_layer(net: torch.nn.Module, layer: torch.nn.Module, x: torch.
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        ParModule.loss_fn(net(x), x)
+        cross_entropy(net(x), x)
     for hook in hooks:
         hook.remove()
     return sum(n for mine, n in seen.values() if mine)

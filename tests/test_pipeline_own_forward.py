@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_par.models.hf.causal_lm import HFCausalLM
+from lightning_par.models.module import cross_entropy
 from lightning_par.parallel.hf.stages import check_hf_pipeline
 from lightning_par.parallel.pipeline.schedule import build_schedule, build_stage_modules
 from lightning_par.parallel.pipeline.stages import drop_remote_layers, measure_layer_times
@@ -161,7 +162,7 @@ def _train_pipeline(rank: int, arch: str, attn: str, schedule: str = "1f1b") -> 
     owner = {p: s for s in range(len(bounds) - 1) for p in layers[bounds[s]:bounds[s + 1]]}
     stages = build_stage_modules(m, layers=layers, boundaries=bounds, stage_indices=indices, stage_runner=hf_stage_runner)
     drop_remote_layers(m, layers, {p for st in stages for p in st.layers}, owner)
-    pipe = build_schedule(stages, schedule=schedule, n_microbatches=MICRO, loss_fn=HFCausalLM.loss_fn,
+    pipe = build_schedule(stages, schedule=schedule, n_microbatches=MICRO, loss_fn=cross_entropy,
                           virtual_stages=len(indices), stage_indices=indices)
     opt = _sgd([p for st in stages for p in st.parameters()])
     losses = []

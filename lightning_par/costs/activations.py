@@ -25,7 +25,8 @@ every matmul weight for backward (2 bytes per weight element).
 Head and loss: final LayerNorm (r h + 8), its output (c h), the fp32 log-softmax output that
 cross-entropy saves (4 V; ``loss_fn`` upcasts the logits), the int64 targets (8). While the loss's
 backward runs, two more fp32 B x T x V buffers are alive (the incoming gradient and log-softmax's
-gradient): the loss transient 8 V per token. Embedding: the int64 token ids (8).
+gradient): the loss transient 8 V per token. The chunked loss (``model.chunked_loss``) saves no logits
+and holds one chunk's 4 V + 8 V while that chunk's backward runs. Embedding: the int64 token ids (8).
 
 Tensor parallelism (Megatron column/row splits): q/k/v, attention out, fc/GELU outputs and the
 logsumexp are split over ``tp``; the LayerNorm inputs are split only with sequence parallelism
@@ -200,15 +201,20 @@ def weight_copy_bytes(n_weights: int, precision: str, tp: int = 1) -> int:
 
 
 def head_bytes_per_token(shape: Shape, precision: str, *, tp: int = 1, loss_parallel: bool = False) -> float:
-    """Final norm (``norm_bytes_per_token``), its output, the fp32 log-softmax output and the targets, per token."""
+    """Final norm (``norm_bytes_per_token``), its output, the fp32 log-softmax output and the targets, per token.
+    The chunked loss (``shape.loss_chunk``) keeps no logits: each chunk saves only its input (the norm's output)."""
     c = dtypes(precision)[0]
-    v = shape.vocab_size / (tp if loss_parallel else 1)
-    return norm_bytes_per_token(shape, precision) + c * shape.n_embd + 4 * v + 8
+    logits = 0.0 if shape.loss_chunk else 4 * shape.vocab_size / (tp if loss_parallel else 1)
+    return norm_bytes_per_token(shape, precision) + c * shape.n_embd + logits + 8
 
 
-def loss_transient_per_token(shape: Shape, *, tp: int = 1, loss_parallel: bool = False) -> float:
-    """Two fp32 B x T x V gradients alive while the loss's backward runs."""
-    return 8 * shape.vocab_size / (tp if loss_parallel else 1)
+def loss_transient_bytes(shape: Shape, tokens: float, *, tp: int = 1, loss_parallel: bool = False) -> float:
+    """What the loss's backward adds: two fp32 B x T x V gradients (the log-softmax output is ``head_bytes``');
+    chunked, one chunk's recomputed log-softmax output and its two gradients, 12 V per token of the chunk,
+    the vocabulary split over tp (the chunked loss is vocabulary-parallel under tensor parallelism)."""
+    if shape.loss_chunk:
+        return 12 * shape.vocab_size / tp * min(shape.loss_chunk, tokens)
+    return 8 * shape.vocab_size / (tp if loss_parallel else 1) * tokens
 
 
 def embed_bytes_per_token(shape: Shape, precision: str, device: str = "cuda") -> float:

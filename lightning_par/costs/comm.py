@@ -122,7 +122,8 @@ def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward:
     Without sequence parallelism: forward all-reduces after the embedding and after every rowwise
     linear (wo, proj): 2L + 1; backward all-reduces the input gradient of every colwise linear (wq,
     wk, wv, fc, lm_head): 4L + 1 (``CommShape.colwise`` per layer: 5 with a gated MLP's gate and up,
-    2 with GPT-2's fused c_attn); the logits are all-gathered over the vocabulary (B*T*V).
+    2 with GPT-2's fused c_attn); the logits are all-gathered over the vocabulary (B*T*V) -- under the chunked loss
+    (``Shape.loss_chunk``) instead three fp32 values per token all-reduced, in forward and in the recompute.
 
     With it (``parallel/tensor/tensor_parallel.py``): the all-reduces become reduce-scatters onto the sequence
     shard (the embedding's and every rowwise output's, 2L + 1, forward) and all-gathers of it (the
@@ -136,6 +137,10 @@ def _tp_activation_comm(out: dict, shape: CommShape, tp: int, b: int, n_forward:
     a = shape.activation_bytes(b)
     L = shape.layers
     logits = shape.micro_batch * shape.seq * shape.vocab * b
+    if shape.shape.loss_chunk:  # the chunked loss is vocabulary-parallel: no logits gathered, but per token three
+        # fp32 all-reduces (maximum, sum of exponentials, target logit) in forward and again in the recompute
+        _add(out, "all_reduce", "tp", n_forward * shape.micro_batch * shape.seq * 2 * 3 * 4)
+        logits = 0
     if not sp:
         _add(out, "all_reduce", "tp", n_forward * ((2 * L + 1) + (shape.colwise * L + 1)) * a)
         _add(out, "all_gather", "tp", n_forward * logits)
@@ -170,6 +175,9 @@ def _pipeline_rank(shape: CommShape, pp: int, m: int, b: int, schedule: str, vir
             layers = L // n_stages + (1 if s < L % n_stages else 0)
             first, last = s == 0, s == n_stages - 1
             logits = m * shape.micro_batch * shape.seq * shape.vocab * b * last
+            if shape.shape.loss_chunk and last:  # vocabulary-parallel chunks (``_tp_activation_comm``)
+                _add(out, "all_reduce", "tp", m * shape.micro_batch * shape.seq * 2 * 3 * 4)
+                logits = 0
             if sp:
                 ends = first + last
                 _add(out, "reduce_scatter", "tp", m * (4 * layers + ends) * a)
@@ -186,11 +194,16 @@ def _pipeline_rank(shape: CommShape, pp: int, m: int, b: int, schedule: str, vir
 
 def _pipeline(out: dict, shape: CommShape, pp: int, m: int, b: int, schedule: str, virtual: int, tp: int,
               stage_rank: int | None, sp: bool = False) -> None:
-    """The given pipeline rank's traffic, or (stage_rank None) the busiest rank's."""
+    """The given pipeline rank's traffic, or (stage_rank None) each collective's largest over the ranks, as
+    summary.json's measured ``comm`` takes it (the first stage gathers the position table, the last the logits
+    or, under the chunked loss, all-reduces its statistics)."""
     ranks = [stage_rank] if stage_rank is not None else range(pp)
-    mine = max((_pipeline_rank(shape, pp, m, b, schedule, virtual, tp, r, sp) for r in ranks),
-               key=lambda c: sum(sum(v.values()) for v in c.values()))
-    for kind, axes in mine.items():
+    most: dict = defaultdict(lambda: defaultdict(int))
+    for r in ranks:
+        for kind, axes in _pipeline_rank(shape, pp, m, b, schedule, virtual, tp, r, sp).items():
+            for axis, nbytes in axes.items():
+                most[kind][axis] = max(most[kind][axis], nbytes)
+    for kind, axes in most.items():
         for axis, nbytes in axes.items():
             _add(out, kind, axis, nbytes)
 

@@ -150,7 +150,8 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
             shape, lay, has_embed, has_head, layers, in_flight, keep, recomputed, embed_saved,
             head_saved, tokens, precision, tp, head, block, embed):
         grads_now = _grads_during_backward(lay, g, local, psi_shard, done, min(unit_params, unit_max), largest)
-        if name == "loss" and lay.grads == "fsdp" and lay.reshard_after_forward and gathered_root:
+        # (the chunked loss keeps the root gathered from forward to backward: parallelize)
+        if name == "loss" and lay.grads == "fsdp" and lay.reshard_after_forward and gathered_root and not shape.loss_chunk:
             # the loss runs after the root's forward resharded every unit (this repository reshards the
             # root too): nothing is gathered. The head's backward gathers the root again -- its all-gather
             # buffer and the unsharded parameters copied out of it both alive -- when the loss's fp32
@@ -250,7 +251,7 @@ def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, re
     """(name, activations alive, transient, unit parameters) for each unit in backward order."""
     below = in_flight * embed_saved
     if has_head:
-        loss = act.loss_transient_per_token(shape, tp=tp, loss_parallel=lay.loss_parallel) * tokens
+        loss = act.loss_transient_bytes(shape, tokens, tp=tp, loss_parallel=lay.loss_parallel)
         yield "loss", below + in_flight * layers * keep + head_saved, loss, head
     inner = act.layer_backward_transient_per_token(shape, precision, tp) * tokens
     for i in range(layers, 0, -1):

@@ -21,6 +21,8 @@ meta device, in ``counting.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +104,8 @@ class Shape:
     #: further transformers config fields, (name, JSON value), that differ from the architecture's
     #: defaults (``hf_extra_fields``: attention / MLP biases, rotary parameters, norm epsilon, ...)
     hf_extra: tuple[tuple[str, str], ...] = ()
+    #: tokens per chunk of the chunked linear cross-entropy (``model.chunked_loss``); 0: the logits whole
+    loss_chunk: int = 0
 
     @property
     def hf(self) -> bool:
@@ -177,7 +181,8 @@ class Shape:
         if read is None:
             raise ValueError(f"{type(module).__name__}.cost_shape: unknown family {declared['family']!r} "
                              f"(choose from: gpt, hf)")
-        return read(declared["config"], declared.get("seq_len"))
+        return dataclasses.replace(read(declared["config"], declared.get("seq_len")),
+                                   loss_chunk=int(declared.get("loss_chunk") or 0))
 
     @classmethod
     def of_hf(cls, config: Any, seq_len: int | None = None) -> Shape:

@@ -169,6 +169,10 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The output layer (transformers' name for it): what ``model.chunked_loss`` projects with."""
+        return self.head.lm_head
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for block in self.blocks:

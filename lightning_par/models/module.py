@@ -32,6 +32,12 @@ from lightning_par.models.mlp import MLPNet
 from lightning_par.core.optim import (OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, schedule_config,
                                  scaled_lr)
 from lightning_par.parallel.contract import ParallelPlan
+from lightning_par.parallel.memory.chunked_loss import chunked_head, chunked_loss_option, make_chunked
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits ``output`` (..., V), upcast to fp32, against ``target``."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
 
 
 class ParModule(L.LightningModule):
@@ -47,9 +53,17 @@ class ParModule(L.LightningModule):
         momentum: float = 0.9,
         scheduler: dict[str, Any] | ScheduleConfig | None = None,
         global_batch_size: int | None = None,
+        chunked_loss: bool | int = False,
     ) -> None:
         super().__init__()
         OptimizerConfig(optimizer)  # unknown names (and adamw8bit without torchao) fail here, in one line
+        try:
+            #: the head and the loss a chunk of tokens at a time (``parallel/memory/chunked_loss.py``; None: off)
+            self.chunked_loss = chunked_loss_option(chunked_loss)
+        except ValueError as e:
+            raise ConfigError(f"model.{e}") from None
+        if self.chunked_loss is not None and self.input_kind != "tokens":
+            raise ConfigError(f"model.chunked_loss: {type(self).__name__} has no output layer over a vocabulary")
         self.optimizer_name = optimizer
         self.lr = lr
         self.weight_decay = weight_decay
@@ -85,15 +99,35 @@ class ParModule(L.LightningModule):
         """Build the architecture once, on whatever device is current (the meta device under
         lightning_par's strategies; real tensors under Lightning's own)."""
         if self.net is None:
-            self.net = self.build_net(device=None)
+            self.net = self.chunk_head(self.build_net(device=None))
+
+    def chunk_head(self, net: nn.Module) -> nn.Module:
+        """``net`` with its output layer (``get_output_embeddings()``) made a chunked head when ``chunked_loss``
+        is on: the forward then returns the hidden states and ``loss_fn`` projects them chunk by chunk."""
+        if self.chunked_loss is not None:
+            getter = getattr(net, "get_output_embeddings", None)
+            layer = getter() if callable(getter) else None
+            if layer is None:
+                raise ConfigError(f"model.chunked_loss: {type(net).__name__} names no output layer "
+                                  "(get_output_embeddings)")
+            try:
+                make_chunked(layer, self.chunked_loss)
+            except ValueError as e:
+                raise ConfigError(f"model.{e}") from None
+        return net
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits; with ``chunked_loss``, the hidden states the output layer would project."""
         return self.net(x)
 
-    @staticmethod
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over every prediction (tokens or samples)."""
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every prediction (tokens or samples); with ``chunked_loss`` the output
+        layer projects ``output`` (hidden states) a chunk at a time (a pipeline stage without it: the plain loss,
+        never called there)."""
+        head = chunked_head(self.net) if self.chunked_loss is not None and self.net is not None else None
+        if head is not None:
+            return head.loss(output, target)
+        return cross_entropy(output, target)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -183,7 +217,8 @@ class GPTModule(ParModule):
         """What the cost model prices this model by (``costs/shape.Shape.of_model`` reads it; the models
         sit below ``costs/``, so they name what to read): a GPT of this config (an ``MoEConfig``: its
         experts too) at ``seq_len`` tokens (None: ``block_size``)."""
-        return {"family": "gpt", "config": self.config, "seq_len": seq_len or self.config.block_size}
+        return {"family": "gpt", "config": self.config, "seq_len": seq_len or self.config.block_size,
+                "loss_chunk": self.chunked_loss.chunk_tokens if self.chunked_loss else 0}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The architecture rides in the checkpoint: ``lightning-par-export`` writes it as GPT-2."""

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.memory.chunked_loss import chunked_head
 from lightning_par.parallel.discovery import ResolvedPlan, init_groups
 from lightning_par.parallel.tensor.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_par.parallel.sharding.fsdp import apply_fsdp, resolve_units
@@ -193,9 +194,14 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                 # by identity: checkpoint activations' wrappers renamed the modules below a wrapped block
                 order = {id(m): i for i, m in enumerate(stage.modules())}
                 units = sorted({*units, *stage_tiles}, key=lambda path: order[id(stage.get_submodule(path))])
+            # a chunked output layer's weight is read by the loss after the model's forward (the training step's
+            # loss, a pipeline's after its last stage): the root keeps its parameters gathered from forward to
+            # backward (FSDP2's own default for a root)
+            head = chunked_head(stage)
             apply_fsdp(stage, mesh=fs.mesh, units=units, reshard_after_forward=fs.reshard_after_forward,
                        param_dtype=fs.param_dtype, reduce_dtype=fs.reduce_dtype, cpu_offload=fs.cpu_offload,
-                       prefetch=fs.prefetch, ignored_params=ignored, pin_memory=fs.disk_tier is None)
+                       prefetch=fs.prefetch, ignored_params=ignored, pin_memory=fs.disk_tier is None, in_root=head,
+                       root_reshard_after_forward=False if head is not None else None)
     tier = spec.fully_shard.disk_tier if spec.fully_shard is not None else None
     if templates is not None:                                                            # materialise
         offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload

@@ -240,6 +240,8 @@ TABLE: dict[str, Spec] = {
     "model.lr": number(0, lo_open=True).note("the learning rate"),
     "model.float8": (exactly(False, "false") | choice("tensorwise", "rowwise")).note(
         "float8 matmuls in the linear layers (torchao; emulated on CPU)"),
+    "model.chunked_loss": (exactly(False, "false") | exactly(True, "true") | POSITIVE).note(
+        "the output layer and cross-entropy a chunk of tokens at a time (true: 1024 tokens)"),
     "model.weight_decay": number(0),
     "model.betas": number_list(2, 0, 1, hi_open=True).note("Adam's beta1, beta2"),
     "model.momentum": number(0, 1, hi_open=True).note("SGD's"),

@@ -138,6 +138,36 @@ class HFCausalLM(ParModule):
                                        tie_word_embeddings=tie_word_embeddings, attn_implementation=attn_implementation,
                                        **dict(config or {}))
         self._plan: ParallelPlan | None = None
+        if self.chunked_loss is not None:
+            self._check_chunkable()
+
+    def _check_chunkable(self) -> None:
+        """``chunked_loss`` on a model whose forward cannot return its hidden states as logits: one line."""
+        from lightning_par import ConfigError
+
+        x = torch.zeros(1, 8, dtype=torch.long)
+        try:  # on the meta device: the model's own config, no memory
+            why = not_chunkable(self.chunk_head(self.build_hf("meta")), x.to("meta"))
+        except Exception:  # noqa: BLE001 -- a forward meta cannot run (MoE grouped_mm, .item()): a tiny real copy
+            why = self._check_chunkable_tiny(x)
+        if why:
+            raise ConfigError(f"model.chunked_loss: {self.hf_config.model_type}'s {why}; set chunked_loss=false")
+
+    def _check_chunkable_tiny(self, x: torch.Tensor) -> str | None:
+        """``not_chunkable`` on a CPU copy of the family at ``registry.TINY`` sizes with this config's other plain
+        fields (soft-capping, scaling factors); an exception of that check: why, in the same words."""
+        from lightning_par.models.hf.registry import TINY, TINY_IF_PRESENT, tiny_config
+
+        cfg = self.hf_config
+        fields = {k: v for k, v in cfg.to_diff_dict().items() if k not in TINY and k not in TINY_IF_PRESENT
+                  and isinstance(v, (bool, int, float, str, type(None))) and k not in ("model_type", "transformers_version")}
+        try:
+            tiny = tiny_config(cfg.model_type, **fields)
+            with torch.random.fork_rng():
+                net = _transformers().AutoModelForCausalLM.from_config(tiny, attn_implementation=cfg._attn_implementation)
+            return not_chunkable(self.chunk_head(net), x)
+        except Exception as e:  # noqa: BLE001 -- the check cannot run: say so rather than train unchecked
+            return f"forward could not be checked ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
 
     # ------------------------------------------------------------------------ building
     def build_net(self, device: torch.device | str = "meta") -> nn.Module:
@@ -167,7 +197,7 @@ class HFCausalLM(ParModule):
         if getattr(self, "net", None) is not None:
             return
         device = _current_device()
-        self.net = self.build_hf(device)
+        self.net = self.chunk_head(self.build_hf(device))
 
     @property
     def built(self) -> bool:
@@ -208,7 +238,8 @@ class HFCausalLM(ParModule):
         """What the cost model prices this model by (``costs/shape.Shape.of_model`` reads it with
         ``Shape.of_hf``, which refuses a family it has no op-by-op shape for): its transformers config at
         ``seq_len`` tokens (None: the longest sequence the model takes)."""
-        return {"family": "hf", "config": self.hf_config, "seq_len": seq_len}
+        return {"family": "hf", "config": self.hf_config, "seq_len": seq_len,
+                "loss_chunk": self.chunked_loss.chunk_tokens if self.chunked_loss else 0}
 
     def state_dict_keys(self) -> list[str]:
         return list(self._model().state_dict())
@@ -230,6 +261,22 @@ class LogitsOnly(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(input_ids=x, attention_mask=meta_causal_mask(x), use_cache=False).logits
+
+
+def not_chunkable(net: nn.Module, x: torch.Tensor) -> str | None:
+    """Why the chunked loss cannot run on ``net`` (a transformers causal LM whose output layer is already chunked,
+    a pass-through), or None: it needs the model to return that layer's result as its logits, so a forward on
+    token ids ``x`` must return that very tensor. Soft-capping (Gemma-2), logit scaling (Cohere, Granite) or a
+    copy would be skipped by the chunked loss. An exception of the forward propagates."""
+    seen: list[torch.Tensor] = []
+    hook = net.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        logits = net(input_ids=x, attention_mask=meta_causal_mask(x), use_cache=False).logits
+    finally:
+        hook.remove()
+    if not seen or logits is not seen[-1]:
+        return "forward changes the logits after its output layer (soft-capping, scaling), which the chunked loss would skip"
+    return None
 
 
 def meta_causal_mask(x: torch.Tensor) -> torch.Tensor | None:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par import ConfigError
+from lightning_par.parallel.memory.chunked_loss import ChunkedHead
 
 #: a tile's block of the untiled tensor: one slice per leading dimension (the rest whole)
 Block = tuple[slice, ...]
@@ -262,6 +263,9 @@ def tileable(model: nn.Module, path: str, tiles: int) -> nn.Module:
     if not isinstance(layer, (nn.Linear, nn.Embedding)) and not _is_conv1d(layer):
         raise ConfigError(f"tiling: {path} is a {type(layer).__name__}; only nn.Linear, nn.Embedding and "
                           "transformers' Conv1D layers can be tiled")
+    if isinstance(layer, ChunkedHead):  # both bound the output layer's memory; tiled, it is no longer one layer
+        raise ConfigError(f"tiling: {path} is the output layer model.chunked_loss computes a chunk of tokens at a "
+                          "time: use one of the two")
     if not _is_conv1d(layer) and _plain_kind(layer) is None:
         raise ConfigError(f"tiling: {path} is a {type(layer).__name__} with its own forward, which tiles would not "
                           "compute; only plain nn.Linear, nn.Embedding and transformers' Conv1D layers can be tiled")

@@ -146,6 +146,8 @@ def apply_fsdp(
     prefetch: int = 1,
     ignored_params: set[nn.Parameter] | None = None,
     pin_memory: bool = True,
+    in_root: nn.Module | None = None,
+    root_reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2: each unit in ``units``, then the root. Returns ``model``.
 
@@ -166,6 +168,9 @@ def apply_fsdp(
             an MoE layer's experts when their only data axis is the ep axis they are split over.
         pin_memory: with ``cpu_offload`` on CUDA, page-lock the host shards (FSDP2 copies a shard into
             pinned memory otherwise); False for the disk tier, whose shards are views of files.
+        in_root: a module that must stay in the root unit (the chunked output layer, whose weight the loss
+            reads after forward): ``ValueError`` if a unit holds it.
+        root_reshard_after_forward: the root unit's own (None: ``reshard_after_forward``).
     """
     if prefetch < 0:
         raise ValueError(f"apply_fsdp: prefetch must be >= 0, got {prefetch}")
@@ -179,8 +184,15 @@ def apply_fsdp(
         ignored_params=ignored_params,
     )
     # children before parents: a unit nested in another must be sharded first so it owns its params
+    if in_root is not None:
+        holder = next((p for p in units if any(m is in_root for m in model.get_submodule(p).modules())), None)
+        if holder is not None:
+            raise ValueError(f"FSDP unit {holder} holds the chunked output layer, whose weight the loss reads after "
+                             "forward: leave it in the root unit (other units), or set chunked_loss=false")
     for path in sorted(units, key=lambda p: -p.count(".")):
         fully_shard(model.get_submodule(path), **kwargs)
+    if root_reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = root_reshard_after_forward
     fully_shard(model, **kwargs)
     if prefetch > 0:
         modules: list[FSDPModule] = [model.get_submodule(p) for p in units]  # type: ignore[misc]

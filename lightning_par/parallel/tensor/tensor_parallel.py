@@ -57,6 +57,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_par.parallel.init.ties import retie, tied_parameters
+from lightning_par.parallel.memory.chunked_loss import ChunkedHead, ShardVocab
 from lightning_par.parallel.precision.float8 import float8_tp_style
 from lightning_par.parallel.tensor.tp_styles import (
     _LOCAL_KINDS,
@@ -174,7 +175,7 @@ class OwnedRowwiseParallel(RowwiseParallel):
         return out.clone() if use_local_output and not isinstance(out, DTensor) else out
 
 
-def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None = None) -> ParallelStyle | None:
+def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None = None) -> ParallelStyle | ShardVocab | None:
     seq = Shard(1)  # (B, T, C): the sequence dim
     base, arg = parse_style(name)
     if base in _LOCAL_KINDS or (base in ("colwise", "rowwise") and module is not None
@@ -193,6 +194,8 @@ def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None
         return OwnedRowwiseParallel(output_layouts=seq) if sp else OwnedRowwiseParallel()
     if name == "embedding":
         return OwnedRowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    if name == "output" and isinstance(module, ChunkedHead):
+        return ShardVocab(sequence_parallel=sp)  # the loss projects chunk by chunk, vocabulary-parallel
     if name == "output":
         return ColwiseParallel(input_layouts=seq if sp else Replicate(),
                                output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -311,6 +314,9 @@ def apply_tensor_parallel(
             styles[owner] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
 
     for path, style in styles.items():
+        if isinstance(style, ShardVocab):  # a chunked output layer: split without hooks (memory/chunked_loss.py)
+            style.apply(model.get_submodule(path), tp_mesh, path)
+            continue
         parallelize_module(model.get_submodule(path) if path else model, tp_mesh, style)
 
     # modules still holding plain parameters: replicate leaf modules (exact when their inputs are
