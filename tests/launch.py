@@ -19,7 +19,8 @@ A console script of this environment (pip's wrapper, its first line ``#!`` and t
 as the kernel would run it, ``python SCRIPT``: the wrapper and its entry point run, the interpreter does not
 start. What a fork cannot show, and the tests that keep real commands for it: the interpreter's start and the
 console scripts' (test_install, test_first_run), signals sent to a
-process group or a shell's job (test_signals, test_faults), torchrun and Slurm (test_torchrun, test_slurm),
+process group or a shell's job (test_signals, test_faults), torchrun and Slurm (test_torchrun, test_report's torchrun restarts: a rank finds the agent by its
+/proc cmdline; test_slurm),
 and the product's own forking of commands (test_fork_ranks). Anything else that is not ``sys.executable``
 with a file, ``-m`` or ``-c`` (another program, interpreter flags, ``input=``) runs through ``subprocess.run``.
 
