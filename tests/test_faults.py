@@ -15,7 +15,6 @@ The multi-process runs are shared between assertions (one sweep covers a killed-
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -231,7 +230,7 @@ def test_run_dir_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path)
             "os.kill(os.getpid(), signal.SIGKILL)")
     dead = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60)
     assert dead.returncode == -signal.SIGKILL
-    assert f'"pid": ' in (tmp_path / LOCK_FILE).read_text()  # it did hold the lock, and left its record
+    assert '"pid": ' in (tmp_path / LOCK_FILE).read_text()  # it did hold the lock, and left its record
     with RunDirLock(tmp_path) as lock:
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
         assert lock.path == tmp_path / LOCK_FILE

@@ -32,7 +32,6 @@ from lightning_par.models import GPTModule, MoEModule
 from lightning_par.models.moe import MoE, MoEConfig, MoEGPT, PRESETS
 from lightning_par.strategies import ExpertParallelStrategy
 from lightning_par.run.train import validate
-from tests.helpers import run_cli
 from tests.sweeps import (
     MOE_SGD,
     MOE_TWO,
