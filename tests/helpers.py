@@ -107,3 +107,31 @@ def steady_step_peak(step, module: torch.nn.Module, optimizer: torch.optim.Optim
     with tracker:
         step()
     return int(sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()))
+
+
+#: registry walks: a family whose tiny config keeps a part at full size is not built
+TINY_MAX_PARAMS = 5_000_000
+
+
+def tiny_causal_lm(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The family's causal LM at ``registry.tiny_config`` sizes without dropout (two copies must compute alike):
+    (a meta-device copy, a seeded fp32 copy on CPU). ``ValueError`` for a family over ``TINY_MAX_PARAMS``;
+    transformers' own exceptions for sizes it refuses (the walks count both as unbuildable)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.models.hf.registry import tiny_config
+
+    config = tiny_config(model_type)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    if sum(p.numel() for p in meta.parameters()) > TINY_MAX_PARAMS:
+        raise ValueError("a part at full size")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return meta, model

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_par import ConfigError
 from lightning_par.models.module import GPTModule, MLPModule, cross_entropy
 from lightning_par.parallel.memory.chunked_loss import ChunkedLoss, chunked_head, chunked_loss_option, make_chunked
-from tests.helpers import QUICK, run_cli
+from tests.helpers import QUICK, run_cli, tiny_causal_lm
 from tests.sweeps import by_strategy, single_refs, sweep
 from tests.test_comm import assert_comm_matches
 
@@ -197,31 +197,15 @@ def test_a_hugging_face_llama_under_strategies_matches_its_unfused_single_run() 
 
 
 # --------------------------------------------------------------------------- transformers' registry
-MAX_PARAMS = 5_000_000  # as the TP and float8 walks: a family whose tiny config keeps a part at full size
 
 
 def _walk_one(model_type: str) -> tuple[str, str]:
     import copy
 
-    from transformers import AutoModelForCausalLM
-
     from lightning_par.models.hf.causal_lm import not_chunkable
-    from lightning_par.models.hf.registry import tiny_config
 
     try:
-        config = tiny_config(model_type)
-        for key, value in config.to_dict().items():  # no dropout: the two copies would draw different masks
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-                setattr(config, key, 0.0)
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
-        if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
-            return "unbuildable", "a part at full size"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).float()
-        for m in model.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
+        _, model = tiny_causal_lm(model_type)
         chunked = copy.deepcopy(model)
         ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
         ref = cross_entropy(model(input_ids=ids).logits[:, :-1], ids[:, 1:])

@@ -29,6 +29,7 @@ pytest.importorskip("torchao")
 from lightning_par import ConfigError  # noqa: E402
 from lightning_par.parallel.precision.float8 import (Float8, apply_float8, convertible, device_refusal,  # noqa: E402
                                                      float8_option, float8_weights)
+from tests.helpers import tiny_causal_lm  # noqa: E402
 from tests.sweeps import by_strategy, single_refs, sweep  # noqa: E402
 from tests.test_comm import assert_comm_matches  # noqa: E402
 
@@ -293,32 +294,16 @@ def test_float8_composes_with_compile_and_selective_checkpointing():
 
 # --------------------------------------------------------------------------- every causal LM of transformers
 
-MAX_PARAMS = 5_000_000  # as the TP walk: a family whose tiny config keeps a part at full size is not built
 
 
 def _walk_one(model_type: str) -> tuple[str, str]:
     import copy
 
-    from transformers import AutoModelForCausalLM
-
     from lightning_par.models.hf.causal_lm import LogitsOnly
-    from lightning_par.models.hf.registry import tiny_config
     from lightning_par.parallel.precision.float8 import modified_in_place
 
     try:
-        config = tiny_config(model_type)
-        for key, value in config.to_dict().items():  # no dropout: the two copies would draw different masks
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-                setattr(config, key, 0.0)
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
-        if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
-            return "unbuildable", "a part at full size"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).float()
-        for m in model.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
+        meta, model = tiny_causal_lm(model_type)
         converted = copy.deepcopy(model)
         ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
         ref = model(input_ids=ids, labels=ids).loss
