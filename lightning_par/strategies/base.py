@@ -351,6 +351,12 @@ class ParStrategyMixin:
                     register_fsdp_forward_method(module, name)
         return stages
 
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, then the gradients freed at once (``free_gradients_after_step``)."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        free_gradients_after_step(self.lightning_module, optimizer)
+        return out
+
     def _replace_optimizer(self, index: int, new: torch.optim.Optimizer) -> None:
         """Swap optimizer ``index`` for ``new`` (same param groups), re-pointing its LR schedulers."""
         old = self.optimizers[index]
@@ -370,6 +376,25 @@ class ParStrategyMixin:
             for state in _optimizer_states(opt):
                 states.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
         return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}
+
+
+def free_gradients_after_step(module: Any, optimizer: Any) -> None:
+    """Zero (set to None) the gradients right after the optimizer step, as a plain loop does.
+
+    Lightning's automatic optimization zeroes them later, inside the next step's closure, *after* that
+    step's ``training_step``: the previous step's gradients (4 bytes a parameter in fp32) stay alive
+    through the whole next forward, and the forward's activation peak sits on top of them. On one H200,
+    a 1.2B Llama peaked 2.65 GiB (6%) above a plain loop for that reason. Lightning's own call then
+    finds nothing to free. Left to Lightning where the module zeroes gradients its own way (an
+    ``optimizer_zero_grad`` override) or steps by hand (manual optimization)."""
+    import lightning as L
+
+    if module is None or not module.automatic_optimization:
+        return
+    if type(module).optimizer_zero_grad is not L.LightningModule.optimizer_zero_grad:
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
+    inner.zero_grad(set_to_none=True)
 
 
 def compile_fields(option: bool | dict[str, Any] | None) -> dict[str, Any]:
