@@ -407,8 +407,9 @@ def _job(cfg: DictConfig) -> float | None:
     """One job. Whatever ends it early leaves error.json in its output dir. In a sweep the failure
     goes back to Hydra as ``JobFailed``: Hydra marks the job failed, runs the others and ends the
     sweep with a nonzero exit. A single run prints one ``error:`` line and exits 2 for a
-    configuration mistake, 1 for anything else (``HYDRA_FULL_ERROR=1`` shows the traceback)."""
-    from lightning_par.core.jobs import hydra_job, one_line, record_failure, root_error
+    configuration mistake, 1 for anything else (``HYDRA_FULL_ERROR=1`` shows the traceback). The
+    traceback of anything but a configuration mistake goes to the job's run.log (``jobs.log_traceback``)."""
+    from lightning_par.core.jobs import hydra_job, log_traceback, one_line, record_failure, root_error
 
     _state["job_started"] = True
     job = hydra_job()
@@ -427,6 +428,8 @@ def _job(cfg: DictConfig) -> float | None:
     except BaseException as e:  # noqa: BLE001 -- torch's CheckpointException is a BaseException
         record_failure(e)
         cause = root_error(e)
+        if not isinstance(cause, ConfigError):  # unexpected: its traceback in run.log (the console keeps one line)
+            log_traceback(e)
         line = str(cause) if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {one_line(cause)}"
         if job.get("multirun"):
             print(f"error: job {job.get('num')}: {line}", file=sys.stderr)

@@ -112,6 +112,9 @@ def test_full_disk_is_one_line_and_leaves_the_checkpoint_whole(sweep_runs, tmp_p
     assert lines and all("disk tier: no room for" in ln and str(offload) in ln for ln in lines), proc.stderr[-3000:]
     error = json.loads((run_dir / "error.json").read_text())
     assert "disk tier: no room for" in error["error"] and "\n" not in error["error"]
+    log = (run_dir / "run.log").read_text()  # and its traceback in run.log (not on the console)
+    assert "failed: DiskFullError: disk tier: no room for" in log and "Traceback (most recent call last)" in log
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert not (run_dir / "summary.json").exists()
     assert _digest(ckpt) == before  # the state on disk: untouched
     check_checkpoint(ckpt)
@@ -290,3 +293,111 @@ def test_disk_tier_with_accumulation_checkpointing_clipping_and_a_schedule(tmp_p
     cpu, disk = (json.loads((out / str(i) / "summary.json").read_text()) for i in (0, 1))
     assert len(disk["losses"]) == 8
     np.testing.assert_allclose(disk["losses"], cpu["losses"], rtol=1e-6, atol=0)
+
+
+def _train_sharded(tmp: Path, staging=None) -> tuple[list[torch.Tensor], list[float], object]:  # noqa: ANN001
+    """3 AdamW steps of a 3-unit MLP under FSDP2 with CPU offload and the disk tier at ``tmp``, at one rank
+    of the process group this process holds: (parameters after, losses, the tier's staging)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_par.parallel.sharding.disk_offload import FileTier, PagedOptimizer
+    from lightning_par.parallel.sharding.fsdp import apply_fsdp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    apply_fsdp(model, mesh=init_device_mesh("cpu", (1,)), units=["0", "2"], cpu_offload=True, pin_memory=False)
+    tmp.mkdir()
+    tier = FileTier(tmp, chunk_mb=0.001)
+    tier.home_parameters(model, copy=True)
+    tier.attach(model, staging=staging)  # as parallelize does, then the strategy's setup_optimizers
+    tier.home_gradients()
+    opt = PagedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), tier)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = [p.full_tensor().clone() for p in model.parameters()]
+    for p in model.parameters():  # the gradients are still the file views (DTensors around host tensors)
+        assert tier.arenas["grads"].holds(p.grad._local_tensor) and p.grad.device == p.device
+    used = tier.staging
+    opt.close()
+    tier.close()
+    return params, losses, used
+
+
+def test_staging_routes_fsdps_copies_and_changes_nothing(tmp_path):
+    """On CUDA the tier routes FSDP2's copies of the shards to the device and of the reduced gradients
+    back through page-locked buffers (``PinnedStaging``; ``tests/test_disk_offload_cuda.py`` checks it
+    there). On CPU it stages nothing by itself; given unpinned buffers of CPU "device" copies, at one
+    rank of a gloo group in this process, every shard FSDP2 gathers and every gradient it reduces pass
+    through them (counted), and 3 AdamW steps end with the unstaged tier's losses and parameters, bit
+    for bit. The slots are smaller than two units' shards, so they are refilled within a step."""
+    import torch.distributed as dist
+
+    from lightning_par.parallel.sharding.disk_offload import PinnedStaging
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        ref_params, ref_losses, none = _train_sharded(tmp_path / "plain")
+        assert none is None  # CPU compute: nothing staged
+        staging = PinnedStaging(32 * 32 * 4, device_type="cpu", pin=False)
+        params, losses, used = _train_sharded(tmp_path / "staged", staging)
+    finally:
+        dist.destroy_process_group()
+    assert used is staging
+    # 3 steps of 6 parameters, each gathered in forward and again in backward, and its gradient reduced once
+    assert staging.h2d_copies == 3 * 12 and staging.d2h_copies == 3 * 6, (staging.h2d_copies, staging.d2h_copies)
+    assert losses == ref_losses
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    assert not any(b.is_pinned() for b in staging.buffers())  # CPU: no page-locking (and no CUDA to ask)
+
+
+def test_gradient_views_stay_on_the_host_on_a_cuda_mesh(tmp_path, monkeypatch):
+    """Issue 31 item 6: under FSDP2's CPU offload a shard is a DTensor whose local tensor is on the host
+    while its mesh is the compute device's. The tier made its gradient views with ``DTensor.from_local``,
+    which moves the local tensor to the mesh's device type: on CUDA each view became a new CUDA tensor,
+    and assigning it as the host shard's ``.grad`` raised "attempting to assign a gradient with device
+    type 'cuda' to a tensor with device type 'cpu'". Here the mesh says "cuda" (any copy to CUDA fails in
+    this build): the gradients are DTensors of the parameters' spec around the file views, and the paged
+    optimizer clips (its norm's all-reduce skipped at one rank, never a host tensor handed to NCCL) and
+    steps over them."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_par.parallel.sharding.disk_offload import FileTier, PagedOptimizer
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [nn.Parameter(DTensor.from_local(torch.randn(8, 4), mesh, [Shard(0)])) for _ in range(3)]
+        monkeypatch.setattr(mesh, "_device_type", "cuda")
+        tier = FileTier(tmp_path, chunk_mb=0.0001)
+        tier.params = list(params)
+        tier.home_gradients()
+        for p in params:
+            assert isinstance(p.grad, DTensor) and p.grad.device_mesh is mesh and p.grad.placements == p.placements
+            assert tier.arenas["grads"].holds(p.grad._local_tensor) and p.grad._local_tensor.device.type == "cpu"
+        opt = PagedOptimizer(torch.optim.SGD(params, lr=0.5), tier)
+        before = [p._local_tensor.clone() for p in params]
+        for p in params:
+            p.grad._local_tensor.fill_(1.0)
+            tier.dirty.add(p)
+        total = opt.clip_grad_norm_(1e9)
+        torch.testing.assert_close(total, torch.tensor(float(3 * 32) ** 0.5))
+        opt.step()
+        for p, b in zip(params, before):
+            torch.testing.assert_close(p._local_tensor, b - 0.5)
+            assert tier.arenas["grads"].holds(p.grad._local_tensor)
+        opt.close()
+        tier.close()
+    finally:
+        dist.destroy_process_group()
+

@@ -181,6 +181,8 @@ def test_a_disk_filled_during_a_save_leaves_the_previous_checkpoint_to_resume(tm
     assert f"{ckpts} has " in line and " free; a checkpoint of this run takes " in line and "(step000004.ckpt)" in line
     assert sorted(p.name for p in ckpts.iterdir()) == ["step000004.ckpt"]  # the partial one is gone
     assert json.loads((run_dir / "error.json").read_text())["type"] == "CheckpointSaveError"
+    log = (run_dir / "run.log").read_text()  # not a config mistake: its traceback is in run.log
+    assert "rank 0 failed: CheckpointSaveError: " in log and "Traceback (most recent call last)" in log, log[-3000:]
 
     resumed = run_cli(args, run_dir, timeout=240)
     assert f"Restoring states from the checkpoint path at {ckpts / 'step000004.ckpt'}" in resumed.stdout + resumed.stderr
@@ -208,6 +210,44 @@ def test_nonfinite_loss_stops_or_warns_and_summary_stays_json(tmp_path):
     assert None in summary["losses"] and summary["final_loss"] is None, summary["losses"]
     assert "warning: non-finite training loss" in proc.stderr
     assert not (warn / "error.json").exists()
+
+
+def test_an_unexpected_errors_traceback_goes_to_run_log_only(tmp_path):
+    """The traceback of an error that is not a ConfigError goes to the job's run.log (the console and
+    error.json keep one line, ``cli._job``): through rank 0's file handler of that file (Hydra's), not its
+    console handler; a rank without one (started by the launcher) appends it to the file."""
+    import io
+    import logging
+
+    from lightning_par.core.jobs import log_traceback
+
+    def fail() -> None:
+        raise RuntimeError("attempting to assign a gradient with device type 'cuda'\nto a tensor")
+
+    try:
+        fail()
+    except RuntimeError as e:
+        error = e
+    root, console = logging.getLogger(), io.StringIO()
+    handlers = [logging.FileHandler(tmp_path / "run.log"), logging.StreamHandler(console)]
+    for h in handlers:
+        root.addHandler(h)
+    try:
+        assert log_traceback(error, tmp_path) == tmp_path / "run.log"
+    finally:
+        for h in handlers:
+            root.removeHandler(h)
+            h.close()
+    log = (tmp_path / "run.log").read_text()
+    assert log.startswith("rank 0 failed: RuntimeError: attempting to assign a gradient with device type 'cuda' to a "
+                          "tensor\nTraceback (most recent call last):"), log
+    assert "in fail\n" in log and console.getvalue() == ""
+    other = tmp_path / "rank1"
+    other.mkdir()
+    assert log_traceback(error, other) == other / "run.log"  # no handler of that file: appended
+    log = (other / "run.log").read_text()
+    assert log.startswith("rank 0 failed: RuntimeError: ") and "in fail\n" in log, log
+    assert log_traceback(error, None) is None  # no job: nowhere to write
 
 
 def test_json_safe_replaces_nonfinite_numbers():

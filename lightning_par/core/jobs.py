@@ -8,6 +8,9 @@ exit status 2 for configuration mistakes.
 
 error.json: ``{"error": one-line message, "type": exception class name, "overrides": [the job's
 command-line overrides], "rank": global rank that wrote it}``.
+
+An unexpected error (not a ``ConfigError``) also leaves its traceback in the job's ``run.log``
+(``log_traceback``), which the console line and error.json leave out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 from lightning_par import ConfigError
 
 ERROR_FILE = "error.json"
+#: the job's log file (Hydra's job log: ``hydra.job.name`` is ``run``, ``conf/config.yaml``)
+LOG_FILE = "run.log"
 _RANK_ENV = ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
 
 
@@ -112,6 +117,38 @@ def record_failure(exc: BaseException, output_dir: str | os.PathLike | None = No
         return None
     return path
 
+
+def log_traceback(exc: BaseException, output_dir: str | os.PathLike | None = None) -> Path | None:
+    """Write the traceback of ``exc`` (an unexpected error: the console and error.json say it in one
+    line) to the job's ``run.log`` only: through the root logger's file handler of that file where this
+    process has one (rank 0, under Hydra's job logging), else appended to the file with this rank's number
+    (a rank the launcher started). Returns the file, or None when there is nowhere to write."""
+    import logging
+    import traceback
+
+    out = output_dir if output_dir is not None else hydra_job().get("output_dir")
+    if out is None:
+        return None
+    path = Path(out) / LOG_FILE
+    where = os.path.realpath(path)
+    handlers = [h for h in logging.getLogger().handlers
+                if isinstance(h, logging.FileHandler) and os.path.realpath(h.baseFilename) == where]
+    rank = global_rank()
+    if handlers:
+        record = logging.getLogger(__name__).makeRecord(
+            __name__, logging.ERROR, __file__, 0, "rank %d failed: %s: %s", (rank, type(exc).__name__, one_line(exc)),
+            (type(exc), exc, exc.__traceback__))
+        for h in handlers:
+            if record.levelno >= h.level:
+                h.handle(record)
+        return path
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        with open(path, "a") as f:
+            f.write(f"rank {rank} failed: {type(exc).__name__}: {one_line(exc)}\n{text}")
+    except OSError:
+        return None
+    return path
 
 
 def _rank_file(output_dir: str | os.PathLike, rank: int) -> Path:

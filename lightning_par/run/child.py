@@ -7,7 +7,8 @@ the config's values before it started this rank (``config_values.check_config_va
 ``train(cfg, child=True)`` does not check them again, only what needs the built objects. A failure prints nothing:
 rank 0 reports every failure once, naming the rank (an error all ranks raised alike, such as a stop on
 a signal, is rank 0's own; this rank's own error goes to a file its launcher reads,
-``jobs.record_rank_failure``). The exit status is nonzero: 128 + the signal after a stop on one, 1
+``jobs.record_rank_failure``, and an unexpected one's traceback to the job's run.log,
+``jobs.log_traceback``). The exit status is nonzero: 128 + the signal after a stop on one, 1
 otherwise.
 """
 
@@ -37,11 +38,15 @@ def main(argv: list[str]) -> None:
 
         train(cfg, child=True)
     except BaseException as e:  # noqa: BLE001 -- whatever ended this rank, rank 0 reports it
-        from lightning_par.core.jobs import record_rank_failure
+        from lightning_par import ConfigError
+        from lightning_par.core.jobs import log_traceback, record_rank_failure, root_error
 
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
         if code and not getattr(e, "all_ranks", False):
-            record_rank_failure(e, cfg.get("paths", {}).get("output_dir"))
+            output_dir = cfg.get("paths", {}).get("output_dir")
+            record_rank_failure(e, output_dir)
+            if output_dir and not isinstance(root_error(e), (ConfigError, SystemExit, KeyboardInterrupt)):
+                log_traceback(e, output_dir)  # this rank's traceback in the job's run.log
         _exit(code)
     _exit(0)
 

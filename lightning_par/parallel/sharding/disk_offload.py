@@ -31,7 +31,13 @@ memory (FSDP2's ``CPUOffloadPolicy``). This tier keeps them in files under a dir
 - **Gradients** are the file's views from the start (``.grad`` set once, FSDP2 accumulates into
   it); the step zeroes a chunk's gradients after stepping it, and ``zero_grad`` keeps the views
   (never ``None``). A parameter that got no gradient in a step is not stepped (as torch skips a
-  ``None`` gradient).
+  ``None`` gradient). A gradient is a DTensor of its parameter's own spec around the host view, as
+  FSDP2 makes one under CPU offload: the shards live on the host whatever device FSDP computes on.
+- **On CUDA** (``PinnedStaging``) FSDP2's copies between the files and the device pass through
+  page-locked buffers: a shard is copied out of its file into a pinned slot before FSDP2 copies it to
+  the device (asynchronously, on FSDP2's stream), and a reduced gradient lands in a pinned buffer
+  before FSDP2 adds it into its file view. File pages cannot be page-locked, and a CUDA copy from or
+  to pageable memory is synchronous and goes through a driver bounce buffer. On CPU nothing changes.
 
 Why our own and not torch's: torch has no disk tier for FSDP2 or optimizers (DeepSpeed's uses its own
 async-I/O library with O_DIRECT). ``torch.UntypedStorage.from_file`` maps a file, but gives no way to
@@ -60,6 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from lightning_par.core.units import fmt_bytes
 
@@ -180,17 +187,183 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _fsdp_params(module: nn.Module) -> list[Any]:
-    """FSDP2's ``FSDPParam`` objects of every unit under ``module`` (private API of torch 2.13)."""
+def _fsdp_groups(module: nn.Module) -> list[Any]:
+    """FSDP2's ``FSDPParamGroup`` of every unit under ``module``, each once (private API of torch 2.13)."""
     from torch.distributed.fsdp import FSDPModule
 
-    out = []
+    out: list[Any] = []
     for mod in module.modules():
         if isinstance(mod, FSDPModule):
             group = mod._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                out.extend(group.fsdp_params)
+            if group is not None and all(group is not g for g in out):
+                out.append(group)
     return out
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    """FSDP2's ``FSDPParam`` objects of every unit under ``module`` (private API of torch 2.13)."""
+    return [fp for group in _fsdp_groups(module) for fp in group.fsdp_params]
+
+
+def _as_grad(p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``p``'s gradient: for a DTensor parameter, a DTensor of ``p``'s own spec (mesh,
+    placements, shape) around ``local`` itself, as FSDP2 makes the sharded gradient
+    (``FSDPParam.to_sharded_dtensor``). Not ``DTensor.from_local``: it moves a local tensor to the mesh's
+    device type, so on a CUDA mesh the file view became a new CUDA tensor and assigning it as the host
+    shard's ``.grad`` raised "attempting to assign a gradient with device type 'cuda' to a tensor with
+    device type 'cpu'" (issue 31, item 6)."""
+    if not isinstance(p, DTensor):
+        return local
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+
+    return _from_local_no_grad(local, p._spec)
+
+
+def _all_reduce_host(t: torch.Tensor, mesh: Any, dim: int, op: Any) -> torch.Tensor:
+    """All-reduce the host tensor ``t`` over dimension ``dim`` of ``mesh``; returns the result on the
+    host. On a CUDA mesh the collective runs on the device (NCCL takes no CPU tensor); a group of one
+    rank needs none."""
+    group = mesh.get_group(dim)
+    if torch.distributed.get_world_size(group) == 1:
+        return t
+    if mesh.device_type == "cpu":
+        torch.distributed.all_reduce(t, op=op, group=group)
+        return t
+    device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    on_device = t.to(device)
+    torch.distributed.all_reduce(on_device, op=op, group=group)
+    return on_device.cpu()
+
+
+class PinnedStaging:
+    """Page-locked buffers that FSDP2's copies between the disk tier's files and a CUDA device pass through.
+
+    - **Host to device.** Before a unit's all-gather FSDP2 copies each shard to the device
+      (``FSDPParam.all_gather_inputs``: ``.to(device, non_blocking=True)``). From a file page that copy is
+      pageable: synchronous, through a driver bounce buffer. ``to_device`` copies the shard into a
+      region of a pinned slot first (this reads its file pages) and makes FSDP2's own call from there,
+      so the transfer runs asynchronously on FSDP2's stream. Two slots are filled in turn, each at least
+      the largest shard; a slot is refilled only after every copy out of it has finished (an event
+      recorded after each).
+    - **Device to host.** FSDP2 copies each reduced gradient shard to the host (``foreach_reduce``:
+      ``.to("cpu")``, non-blocking only for a first gradient without post-accumulate-grad hooks, so
+      always pageable for the disk tier, whose gradients are the file views and carry its hook) and
+      adds it into the shard's ``.grad``. ``to_host`` copies it into one pinned region instead and FSDP2
+      adds from there. One region suffices: FSDP2 adds each gradient (a host add, done when it returns)
+      before it copies the next. ``FileTier.attach`` routes only gradients of units whose gradients are
+      all present (FSDP2's accumulating path).
+
+    Why not FSDP2's own pinning: ``CPUOffloadPolicy(pin_memory=True)`` page-locks the shards themselves
+    (``FSDPParam.reset_sharded_param``: ``local_tensor.cpu().pin_memory()``), copying every shard out of
+    its file into pinned memory held for the whole run -- the host memory the tier exists to save, and
+    file pages cannot be page-locked in place. It does not pin a copy of an accumulated gradient either.
+    Host memory taken: three buffers of ``slot_bytes`` (``FileTier.attach``: the largest shard).
+
+    ``device_type``/``pin``: the device FSDP computes on, and whether the buffers are page-locked (a
+    CPU check of the routing, ``tests/test_disk_offload.py``, uses ``"cpu"`` and False: there the copies
+    are synchronous and FSDP2 consumes each before the next, at one rank).
+    """
+
+    def __init__(self, slot_bytes: int, device_type: str = "cuda", pin: bool = True, slots: int = 2) -> None:
+        self.slot_bytes = max(_ALIGN, -(-int(slot_bytes) // _ALIGN) * _ALIGN)
+        self.device_type = device_type
+        self.pin = pin
+        self._slots: list[torch.Tensor] = []
+        self._events: list[list[Any]] = [[] for _ in range(slots)]
+        self._slot = 0
+        self._used = 0
+        self._host: torch.Tensor | None = None
+        self.h2d_copies = 0
+        self.d2h_copies = 0
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers allocated so far (at the first copy each way)."""
+        return [*self._slots, *([self._host] if self._host is not None else [])]
+
+    @staticmethod
+    def _region(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel() * like.element_size()
+        return buf[offset:offset + n].view(like.dtype).view(like.shape)
+
+    def _fits(self, t: torch.Tensor) -> bool:
+        return t.is_contiguous() and t.numel() * t.element_size() <= self.slot_bytes
+
+    def to_device(self, src: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """``src.to(*args, **kwargs)`` (FSDP2's call) made from a pinned copy of the host tensor ``src``;
+        None where ``src`` does not fit a slot (the caller copies it as it is)."""
+        if not self._fits(src):
+            return None
+        if not self._slots:
+            self._slots = [self._buffer() for _ in self._events]
+        n = src.numel() * src.element_size()
+        offset = -(-self._used // _ALIGN) * _ALIGN
+        if offset + n > self.slot_bytes:  # the next slot, once the copies out of it are done
+            self._slot = (self._slot + 1) % len(self._slots)
+            for event in self._events[self._slot]:
+                event.synchronize()
+            self._events[self._slot].clear()
+            offset = 0
+        self._used = offset + n
+        stage = self._region(self._slots[self._slot], offset, src)
+        stage.copy_(src)
+        out = stage.to(*args, **kwargs)
+        if self.pin:
+            event = torch.get_device_module(self.device_type).Event()
+            event.record()  # on the stream that copies (FSDP2's current one)
+            self._events[self._slot].append(event)
+        self.h2d_copies += 1
+        return out
+
+    def to_host(self, src: torch.Tensor) -> torch.Tensor | None:
+        """``src`` (a device tensor) copied into the pinned host region, the copy finished; None where it
+        does not fit. The region is overwritten by the next call."""
+        if not self._fits(src):
+            return None
+        if self._host is None:
+            self._host = self._buffer()
+        stage = self._region(self._host, 0, src)
+        stage.copy_(src)  # a blocking copy: on CUDA it waits for the current stream, which made src
+        self.d2h_copies += 1
+        return stage
+
+    def close(self) -> None:
+        for events in self._events:
+            for event in events:
+                event.synchronize()
+            events.clear()
+        self._slots, self._host = [], None
+
+
+class _StagedCopies(TorchFunctionMode):
+    """Active around an FSDP2 unit's ``unshard``/``wait_for_unshard`` (``to_host`` false) or its
+    ``post_backward`` (true): routes FSDP2's ``Tensor.to`` of a shard in the ``params`` file to the
+    device, or of a gradient from the device to the host, through ``PinnedStaging``; every other call
+    runs as it is (a mode is off while its own handler runs, so the handler's copies are not seen)."""
+
+    def __init__(self, staging: PinnedStaging, params: FileArena, to_host: bool) -> None:
+        super().__init__()
+        self.staging, self.params, self.to_host = staging, params, to_host
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args and type(args[0]) is torch.Tensor:
+            src = args[0]
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            plain = device is not None and dtype in (None, src.dtype) and memory_format in (None, torch.preserve_format)
+            staging = self.staging
+            out = None
+            if plain and not self.to_host and src.device.type == "cpu" and device.type == staging.device_type \
+                    and src.numel() and self.params.holds(src):
+                out = staging.to_device(src, args[1:], kwargs)
+            elif plain and self.to_host and src.device.type == staging.device_type and device.type == "cpu" \
+                    and src.numel():
+                out = staging.to_host(src)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
 
 
 def fix_mmap_threshold(nbytes: int = 256 * 2**10) -> bool:
@@ -232,6 +405,9 @@ class FileTier:
         self.params: list[nn.Parameter] = []
         self._hooks: list[Any] = []
         self.dirty: set[nn.Parameter] = set()
+        #: FSDP2's copies through page-locked buffers, when FSDP computes on CUDA (``attach``)
+        self.staging: PinnedStaging | None = None
+        self._wrapped: list[tuple[Any, str]] = []  # (FSDP param group, method) that ``attach`` wrapped
 
     # --------------------------------------------------------------------------- files
     def _arena(self, kind: str, nbytes: int) -> FileArena:
@@ -247,6 +423,12 @@ class FileTier:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for group, name in self._wrapped:
+            group.__dict__.pop(name, None)  # FSDP2's own method again
+        self._wrapped.clear()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
         for a in self.arenas.values():
             a.close()
         self.arenas.clear()
@@ -283,16 +465,49 @@ class FileTier:
         if stray:
             raise RuntimeError(f"disk tier: {len(stray)} parameter shards left their file (shapes {stray[:3]})")
 
-    def attach(self, module: nn.Module) -> None:
+    def attach(self, module: nn.Module, staging: PinnedStaging | None = None) -> None:
         """Release parameter pages after every FSDP unit's pre-forward (its all-gather has copied them);
         before the root's forward, give back the gradient views to parameters whose ``.grad`` someone
-        set to None or replaced (Lightning's loop zeroes gradients through ``nn.Module.zero_grad`` too)."""
+        set to None or replaced (Lightning's loop zeroes gradients through ``nn.Module.zero_grad`` too).
+        When FSDP computes on CUDA, its copies of the shards and gradients go through page-locked
+        buffers (``PinnedStaging``, sized by the largest shard; ``staging``: these buffers instead)."""
         from torch.distributed.fsdp import FSDPModule
 
         self._hooks.append(module.register_forward_pre_hook(lambda *_: self.restore_gradients()))
         for mod in module.modules():
             if isinstance(mod, FSDPModule):
                 self._hooks.append(mod.register_forward_pre_hook(lambda *_: self.release("params")))
+        groups = _fsdp_groups(module)
+        fps = [fp for g in groups for fp in g.fsdp_params if not fp._sharded_param_data.is_meta]
+        if staging is None and any(fp.offload_to_cpu and fp.device.type == "cuda" for fp in fps):
+            largest = max(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size() for fp in fps)
+            staging = PinnedStaging(largest, device_type="cuda")
+        if staging is not None and "params" in self.arenas:
+            self.staging = staging
+            for group in groups:
+                self._stage(group)
+
+    def _stage(self, group: Any) -> None:
+        """Route ``group``'s (an ``FSDPParamGroup``'s) copies through ``self.staging``: its methods that
+        make them, wrapped on the instance (FSDP2 calls them as ``group.unshard(...)``, ...)."""
+        staging, params = self.staging, self.arenas["params"]
+
+        def wrap(name: str, to_host: bool) -> None:
+            original = getattr(group, name)
+
+            def staged(*args: Any, **kwargs: Any) -> Any:
+                if to_host and not all(fp.sharded_param.grad is not None for fp in group.fsdp_params
+                                        if fp.sharded_param.requires_grad):
+                    return original(*args, **kwargs)  # FSDP2 would keep a first gradient: its own copy
+                with _StagedCopies(staging, params, to_host):
+                    return original(*args, **kwargs)
+
+            setattr(group, name, staged)
+            self._wrapped.append((group, name))
+
+        wrap("unshard", False)  # the all-gather's inputs, at more than one rank
+        wrap("wait_for_unshard", False)  # at one rank, FSDP2 copies the shards here
+        wrap("post_backward", True)  # the reduced gradients to the host
 
     def release(self, kind: str | None = None) -> None:
         for k, a in self.arenas.items():
@@ -311,8 +526,10 @@ class FileTier:
             local = torch.empty(_local(p).shape, dtype=p.dtype)
             arena.point(local, off)
             local.zero_()
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                        stride=p.stride()) if isinstance(p, DTensor) else local
+            p.grad = _as_grad(p, local)
+            if not arena.holds(_local(p.grad)):
+                raise RuntimeError(f"disk tier: the gradient of a parameter of shape {tuple(p.shape)} is not a view "
+                                   f"of its file (it is on {_local(p.grad).device})")
             self.grad_at[p] = off
             self.grad_views[p] = p.grad
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -531,10 +748,10 @@ class PagedOptimizer(torch.optim.Optimizer):
                 acc[key] = torch.maximum(acc[key], part) if inf and key in acc else acc.get(key, 0) + part
             tier.page_out(chunk, {})
         total = torch.zeros((), dtype=torch.float64)
+        op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
         for (mesh, dims), part in sorted(acc.items(), key=lambda kv: kv[0][1]):  # the same order on every rank
             for d in dims:
-                torch.distributed.all_reduce(part, op=torch.distributed.ReduceOp.MAX if inf else
-                                             torch.distributed.ReduceOp.SUM, group=mesh.get_group(d))
+                part = _all_reduce_host(part, mesh, d, op)
             total = torch.maximum(total, part) if inf else total + part
         total = (total if inf else total.pow(1.0 / norm_type)).float()
         for chunk in self._chunks:
@@ -548,7 +765,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def clip_grad_value_(self, clip_value: float) -> None:
         """torch's ``clip_grad_value_`` over the gradient files, a chunk at a time (see ``clip_grad_norm_``)."""
         tier = self.tier
-        grads = tier.grads()
+        tier.restore_gradients()
         dirty = set(tier.dirty)
         for chunk in self._chunks:
             holding = [p for p in chunk if p in dirty]  # torch's function reads their .grad: the file views
@@ -588,5 +805,5 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._pool.shutdown(wait=True)
 
 
-__all__ = ["DiskFullError", "FileArena", "FileTier", "PagedOptimizer", "check_offload_dir", "disk_bytes_needed",
-           "fmt_bytes"]
+__all__ = ["DiskFullError", "FileArena", "FileTier", "PagedOptimizer", "PinnedStaging", "check_offload_dir",
+           "disk_bytes_needed", "fmt_bytes"]
