@@ -286,7 +286,7 @@ ELSEWHERE = [
     (("trainer.precision=fp8",), "trainer.precision", "fp8"),
     (("data.files=/nonexistent/*.txt",), "data.files", "/nonexistent/"),
     (("model=hf_llama_tiny", "model.arch=bogus"), "model.arch", "bogus"),
-    (("model=hf_llama_tiny", "+model.attn_implementation=flash"), "model.attn_implementation", "flash"),
+    (("model=hf_llama_tiny", "model.attn_implementation=flash"), "model.attn_implementation", "flash"),
     (("callbacks.export.max_shard_size=huge",), "callbacks.export.max_shard_size", "huge"),
 ]
 # the rest need a file, a directory, a tokenizer or a world of ranks to refuse a value: their checkers are

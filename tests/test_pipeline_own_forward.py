@@ -240,7 +240,7 @@ def test_eager_and_sdpa_pipelines_give_the_same_losses(parity_runs):
 # End to end through the app: the pipeline and 3d strategies on Gemma-2 (eager only, sliding
 # window shorter than the sequence, soft-capping), fp32 SGD, against the single-device run
 
-E2E = ["model=hf_causal_lm", "model.arch=gemma2", "+model.attn_implementation=eager", "model.layers=4",
+E2E = ["model=hf_causal_lm", "model.arch=gemma2", "model.attn_implementation=eager", "model.layers=4",
        "+model.config.sliding_window=16", "model.optimizer=sgd", "model.lr=0.2", "+model.momentum=0.9",
        "trainer.max_steps=10", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
        "data.seq_len=64", "data.global_batch_size=8", "data.max_bytes=400000"]

@@ -16,8 +16,10 @@ output and an fp32 logsumexp per head, no s x s matrix)::
                             fc out, GELU out
     4 a                     logsumexp
 
-The math path (CPU with dropout > 0: torch's CPU flash kernel has no dropout) keeps three s x s
-tensors per head instead of the logsumexp: softmax output, dropout mask, dropped probabilities.
+The math path (CPU with dropout > 0: torch's CPU flash kernel has no dropout; ``sdpa_math``) and eager
+attention keep s x s tensors per head instead of the logsumexp (``scores_bytes``: the softmax output,
+with dropout its mask and the dropped probabilities); the math path also computes in fp32, so it keeps
+q, k and v in fp32 (``attention_kernel``, ``scores_bytes``; measured op by op, tests/test_attention.py).
 Dropout masks: one per ``nn.Dropout`` (embedding, attention residual, MLP residual) -- bool on CUDA,
 the compute dtype on CPU. Autocast (``bf16-mixed``/``16-mixed``) also keeps a low-precision copy of
 every matmul weight for backward (2 bytes per weight element).
@@ -64,20 +66,57 @@ def dtypes(precision: str) -> tuple[int, int, bool]:
 
 
 def attention_kernel(shape: Shape, device: str = "cuda", precision: str | None = None) -> str:
-    """``fused`` (flash or memory-efficient SDPA: O(s) saved state) or ``math`` (s x s scores).
+    """``fused`` (flash, memory-efficient or cuDNN SDPA: O(s) saved state), ``math`` (SDPA's math path: s x s
+    scores, computed in fp32) or ``eager`` (the scores written out, ``attn_implementation=eager``).
 
-    CUDA: flash (fp16/bf16) or memory-efficient (fp32, head_dim <= 256) kernels take the causal mask
-    and dropout. CPU (torch 2.13): ``_scaled_dot_product_flash_attention_for_cpu`` runs for fp32 and
+    ``shape.attn_implementation`` (``models/attention.py``) decides first: eager, sdpa_math (math), sdpa_flash /
+    sdpa_efficient / sdpa_cudnn (fused; where they cannot run the run is refused before launch). For ``sdpa``
+    torch picks the kernel. CUDA: flash (fp16/bf16) or memory-efficient (fp32, head_dim <= 256) kernels take
+    the causal mask and dropout. CPU (torch 2.13): ``_scaled_dot_product_flash_attention_for_cpu`` runs for fp32 and
     bf16 without dropout; with dropout SDPA falls back to the math path. Grouped-query attention
     (transformers passes ``enable_gqa``): the CPU flash kernel and CUDA's flash kernel take k/v at their
     own width, CUDA's memory-efficient kernel does not, so fp32 compute on CUDA (``precision``) runs
     the math path -- torch's dispatch rule, not measured here (no GPU)."""
+    name = shape.attn_implementation
+    if name == "eager":
+        return "eager"
+    if name == "sdpa_math":
+        return "math"
+    if name != "sdpa":
+        return "fused"
     head_dim = shape.n_embd // shape.n_head
     if device == "cpu":
         return "math" if shape.dropout > 0 else "fused"
     if shape.n_kv_heads != shape.n_head and precision is not None and dtypes(precision)[0] == 4:
         return "math"
     return "fused" if head_dim <= 256 else "math"
+
+
+def scores_bytes(shape: Shape, precision: str, *, device: str = "cuda", kernel: str | None = None) -> float:
+    """Bytes per score (per token, head and key position: times ``a s`` per token) that attention keeps for
+    backward: 0 for the fused kernels (their logsumexp is 4 bytes per head and token). Measured with
+    ``saved_tensors_hooks`` on CPU (fp32, bf16-mixed, bf16-true; tests/test_attention.py)::
+
+        math    4 [+ m + 4]     torch's math path upcasts fp16/bf16 q, k, v to fp32: the fp32 softmax output;
+                                with dropout its mask (m: bool on CUDA, 1; fp32 on CPU, 4) and the fp32 dropped
+                                probabilities
+        eager   p + c'          the softmax output in p bytes -- 4: transformers' eager attention (Llama, Qwen2)
+                                and ours take the softmax in fp32, GPT-2's takes it in the compute dtype (fp32
+                                only under autocast) -- and its cast back to the compute dtype (c' = c when
+                                p != c, which the next matmul keeps); with dropout p + m + c (the mask, m: 1 on
+                                CUDA, c on CPU, and the dropped probabilities; the cast is not kept)
+
+    ``kernel``: ``attention_kernel``'s answer (None: asked here)."""
+    kernel = kernel or attention_kernel(shape, device, precision if shape.hf else None)
+    c, _, autocast = dtypes(precision)
+    if kernel == "math":
+        return 4 + ((1 if device == "cuda" else 4) + 4 if shape.dropout > 0 else 0)
+    if kernel == "eager":
+        p = c if shape.hf_arch == "gpt2" and not autocast else 4
+        if shape.dropout > 0:
+            return p + (1 if device == "cuda" else c) + c
+        return p + (c if p != c else 0)
+    return 0.0
 
 
 def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda", tp: int = 1,
@@ -91,11 +130,13 @@ def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda",
     norms = (2 * r * h + 16) / sp
     whole = 2 * c * h  # ln_1 / ln_2 outputs: inputs of the column-parallel linears
     split = c * h * (4 + 2 * m)  # q, k, v, attention out, fc out, GELU out
-    if attention_kernel(shape, device) == "fused":
+    kernel = attention_kernel(shape, device)
+    if kernel == "fused":
         split += 4 * a
-    else:
-        mask = 1 if device == "cuda" else c
-        split += (2 * c + mask) * a * s
+    else:  # the s x s tensors; the math path keeps fp32 q, k, v (torch upcasts 16-bit inputs)
+        split += scores_bytes(shape, precision, device=device, kernel=kernel) * a * s
+        if kernel == "math":
+            split += 3 * h * (4 - c)
     masks = 0.0
     if shape.dropout > 0:
         masks = 2 * h * (1 if device == "cuda" else c) / sp
@@ -133,20 +174,25 @@ def hf_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cud
         c F (act + 1 [+ 2])     the activation's saved input(s) (``ACT_SAVED``) and its output; a gated
                                 MLP also keeps up's output and act(gate) * up (down's input)
 
-    The math path (fp32 grouped-query attention on CUDA, ``attention_kernel``) keeps q, k and v
-    repeated to h wide, the softmax output (c a s, no dropout) and a contiguous copy of the output
-    instead. RoPE keeps its cos/sin tables (per position, shared by every layer: left out). Tensor
-    parallelism splits everything after the linears' inputs; the norms only with sequence parallelism."""
+    The math path (fp32 grouped-query attention on CUDA, ``sdpa_math``: ``attention_kernel``) keeps q, k and v
+    repeated to h wide in fp32 (4 x 3 h: torch upcasts 16-bit inputs), the softmax output (``scores_bytes``
+    a s) and a contiguous copy of the output (c h) instead; eager attention q, k and v (k, v repeated to h) and
+    the output copy in the compute dtype (c 4 h) and its softmax output (``scores_bytes`` a s). RoPE keeps
+    its cos/sin tables (per position, shared by every layer: left out). Tensor parallelism splits everything
+    after the linears' inputs; the norms only with sequence parallelism."""
     c, _, autocast = dtypes(precision)
     h, a, s, kv, f = shape.n_embd, shape.n_head, shape.seq_len, shape.kv_width, shape.inner
     sp = tp if sequence_parallel else 1
     norms = 2 * norm_bytes_per_token(shape, precision) / sp
     whole = c * h * (shape.colwise_inputs if autocast else 2)
     mlp = c * f * (ACT_SAVED[shape.hidden_act] + (3 if shape.gated_mlp else 1))
-    if attention_kernel(shape, device, precision) == "fused":
+    kernel = attention_kernel(shape, device, precision)
+    if kernel == "fused":
         attention = c * (2 * h + 2 * kv) + 4 * a
+    elif kernel == "math":
+        attention = 4 * 3 * h + c * h + scores_bytes(shape, precision, device=device, kernel=kernel) * a * s
     else:
-        attention = c * 4 * h + c * a * s
+        attention = c * 4 * h + scores_bytes(shape, precision, device=device, kernel=kernel) * a * s
     return norms + whole + (attention + mlp) / tp
 
 
@@ -156,9 +202,10 @@ def selective_layer_bytes_per_token(shape: Shape, precision: str, *, device: str
     residual stream, in the parameters' dtype), every linear's output (``counting.block_linears``) in the
     compute dtype, and the attention core's -- the fused kernel's output and fp32 logsumexp, or the math
     path's two batched matmuls (the s x s scores and their product with v). Norms, activation functions,
-    dropout and autocast's weight copies are recomputed, so they keep nothing. Not priced (ValueError): MoE
-    layers (their expert matmuls) and tensor parallelism (a row-parallel linear keeps its full-width
-    partial sum)."""
+    dropout and autocast's weight copies are recomputed, so they keep nothing. Eager attention is priced as the
+    math path (its two matmuls' outputs; not measured in 16-bit, where the math path's are fp32). Not priced
+    (ValueError): MoE layers (their expert matmuls) and tensor parallelism (a row-parallel linear keeps its
+    full-width partial sum)."""
     if shape.n_moe_layers:
         raise ValueError("the estimator does not price selective checkpointing of MoE layers")
     c, r, _ = dtypes(precision)

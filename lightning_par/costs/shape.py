@@ -53,6 +53,16 @@ _HF_IGNORED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "use_cache
                       "dropout", "activation_dropout")
 
 
+def _hf_attention(config: Any) -> str:
+    """The attention backend of a transformers config in ``models/attention.py``'s names (its
+    ``_attn_implementation``; ``sdpa_fa`` is sdpa_flash there). Another implementation (flash_attention_2,
+    flex_attention: kernels that keep no s x s scores either) or none is priced as ``sdpa``."""
+    from lightning_par.models.attention import NAMES, name_of_hf_key
+
+    name = name_of_hf_key(getattr(config, "_attn_implementation", None))
+    return name if name in NAMES else "sdpa"
+
+
 def hf_extra_fields(config: Any) -> tuple[tuple[str, str], ...]:
     """The fields of a transformers config that a ``Shape``'s sizes do not say and that differ from
     the architecture's defaults (``attention_bias``, ``mlp_bias``, ``rope_parameters``,
@@ -106,6 +116,9 @@ class Shape:
     hf_extra: tuple[tuple[str, str], ...] = ()
     #: tokens per chunk of the chunked linear cross-entropy (``model.chunked_loss``); 0: the logits whole
     loss_chunk: int = 0
+    #: the attention backend (``models/attention.py``'s names): ``eager`` and ``sdpa_math`` keep the s x s
+    #: softmax output per head (``activations.attention_kernel``); sdpa lets torch pick the kernel
+    attn_implementation: str = "sdpa"
 
     @property
     def hf(self) -> bool:
@@ -165,7 +178,8 @@ class Shape:
                    expert_hidden=int(config.expert_hidden or 0), shared_expert=bool(config.shared_expert)) \
             if isinstance(config, MoEConfig) and config.n_experts else {}
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, int(seq_len or config.block_size),
-                   config.mlp_ratio, float(config.dropout), config.bias, config.block_size, **moe)
+                   config.mlp_ratio, float(config.dropout), config.bias, config.block_size, **moe,
+                   attn_implementation=str(getattr(config, "attn_implementation", "sdpa")))
 
     @classmethod
     def of_model(cls, module: Any, seq_len: int | None = None) -> Shape | None:
@@ -181,8 +195,10 @@ class Shape:
         if read is None:
             raise ValueError(f"{type(module).__name__}.cost_shape: unknown family {declared['family']!r} "
                              f"(choose from: gpt, hf)")
-        return dataclasses.replace(read(declared["config"], declared.get("seq_len")),
-                                   loss_chunk=int(declared.get("loss_chunk") or 0))
+        shape = read(declared["config"], declared.get("seq_len"))
+        return dataclasses.replace(shape, loss_chunk=int(declared.get("loss_chunk") or 0),
+                                   attn_implementation=str(declared.get("attn_implementation")
+                                                           or shape.attn_implementation))
 
     @classmethod
     def of_hf(cls, config: Any, seq_len: int | None = None) -> Shape:
@@ -214,7 +230,7 @@ class Shape:
                    kv_heads=0 if gpt2 else int(config.num_key_value_heads or heads), mlp_hidden=inner,
                    gated_mlp=not gpt2, hidden_act=act, fused_qkv=gpt2, rms_norm=not gpt2,
                    tied=bool(config.tie_word_embeddings), learned_positions=gpt2, hf_arch=arch,
-                   hf_extra=hf_extra_fields(config))
+                   hf_extra=hf_extra_fields(config), attn_implementation=_hf_attention(config))
 
     def hf_config(self, layers: int | None = None) -> Any:
         """The transformers config of a Hugging Face shape, built by ``models/hf/causal_lm.py``'s ``hf_config``
@@ -228,7 +244,7 @@ class Shape:
         return hf_config(self.hf_arch, hidden=self.n_embd, layers=layers or self.n_layer, heads=self.n_head,
                          kv_heads=self.kv_heads or None, intermediate=self.inner, vocab=self.vocab_size,
                          max_positions=self.block_size or self.seq_len, tie_word_embeddings=self.tied,
-                         **act, **self.hf_fields)
+                         attn_implementation=self.attn_implementation, **act, **self.hf_fields)
 
     def gpt_config(self, dense: bool = False):
         """The model's config: a ``GPTConfig``, or a ``MoEConfig`` for an MoE shape (``dense``: the
@@ -239,7 +255,7 @@ class Shape:
 
         fields = dict(vocab_size=self.vocab_size, block_size=self.block_size or self.seq_len, n_layer=self.n_layer,
                       n_head=self.n_head, n_embd=self.n_embd, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
-                      bias=self.bias)
+                      bias=self.bias, attn_implementation=self.attn_implementation)
         if not self.n_experts or dense:
             return GPTConfig(**fields)
         from lightning_par.models.moe import MoEConfig

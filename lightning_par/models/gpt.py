@@ -1,5 +1,6 @@
-"""A GPT-style decoder (pre-LayerNorm, causal self-attention through ``scaled_dot_product_attention``,
-GELU MLP), its size presets, and its parallel plan. Architecture only: no parallelism in here.
+"""A GPT-style decoder (pre-LayerNorm, causal self-attention through ``scaled_dot_product_attention``
+or the backend ``attn_implementation`` names (``models/attention.py``), GELU MLP), its size presets, and
+its parallel plan. Architecture only: no parallelism in here.
 
 Structure (paths used by the plan): ``embed`` (token + position embeddings) -> ``blocks.0 ..
 blocks.{n_layer-1}`` -> ``head`` (final LayerNorm + vocabulary projection). Each of those maps one
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_par.models.attention import attend, check_name
 from lightning_par.parallel.contract import ParallelPlan
 
 
@@ -33,8 +35,12 @@ class GPTConfig:
     mlp_ratio: int = 4  # MLP inner size = mlp_ratio * n_embd
     dropout: float = 0.0  # 0 by default: loss parity needs deterministic forward passes
     bias: bool = True  # biases in linears and LayerNorms
+    #: sdpa (torch picks the kernel), sdpa_flash / sdpa_efficient / sdpa_cudnn / sdpa_math (SDPA restricted
+    #: to that kernel) or eager (scores written out): ``models/attention.py``
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
+        check_name(self.attn_implementation, "GPTConfig: attn_implementation")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
 
@@ -87,6 +93,7 @@ class CausalSelfAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.wo.residual_projection = True  # GPT-2's scaled init (see GPT.init_weights)
         self.dropout = cfg.dropout
+        self.attn_implementation = cfg.attn_implementation
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +103,8 @@ class CausalSelfAttention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        # the backend restriction is entered inside the call: a checkpointed block's recompute runs the same kernel
+        y = attend(self.attn_implementation, q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, nh*hs)
         return self.resid_drop(self.wo(y))
 

@@ -216,9 +216,11 @@ class GPTModule(ParModule):
     def cost_shape(self, seq_len: int | None = None) -> dict[str, Any]:
         """What the cost model prices this model by (``costs/shape.Shape.of_model`` reads it; the models
         sit below ``costs/``, so they name what to read): a GPT of this config (an ``MoEConfig``: its
-        experts too) at ``seq_len`` tokens (None: ``block_size``)."""
+        experts too) at ``seq_len`` tokens (None: ``block_size``), with its attention backend and dropout (what
+        the attention check before launch reads: ``models/attention.check_device``)."""
         return {"family": "gpt", "config": self.config, "seq_len": seq_len or self.config.block_size,
-                "loss_chunk": self.chunked_loss.chunk_tokens if self.chunked_loss else 0}
+                "loss_chunk": self.chunked_loss.chunk_tokens if self.chunked_loss else 0,
+                "attn_implementation": self.config.attn_implementation, "dropout": float(self.config.dropout)}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The architecture rides in the checkpoint: ``lightning-par-export`` writes it as GPT-2."""

@@ -341,6 +341,9 @@ def _checkers() -> dict[str, tuple[Callable[..., Any], ...]]:
     from lightning_par.data.hf_dataset import HFDatasetModule
     from lightning_par.strategies.checkpoint.export import size_bytes
     from lightning_par.models import GPTModule
+    from lightning_par.models.attention import check_name
+    from lightning_par.models.gpt import GPTConfig
+    from lightning_par.run.attention_option import check_attention
     from lightning_par.models.hf.causal_lm import HFCausalLM, hf_config
     from lightning_par.models.moe import MoEConfig
     from lightning_par.models.moe_module import MoEModule
@@ -372,7 +375,9 @@ def _checkers() -> dict[str, tuple[Callable[..., Any], ...]]:
         "model.preset": (GPTModule, MoEModule),  # their PRESETS
         "model.gating": (MoEConfig,),  # GATINGS
         "model.arch": (hf_config,),  # ARCHS
-        "model.attn_implementation": (hf_config,),  # ATTENTION
+        # models/attention.NAMES, for our GPT / MoE (GPTConfig) and Hugging Face models (hf_config); the device
+        # (CPU: no sdpa_efficient / sdpa_cudnn; CUDA capability) by run/attention_option.check_attention
+        "model.attn_implementation": (check_name, GPTConfig, hf_config, check_attention),
         "model.pretrained": (pretrained_config,),  # the directory and its tensors, against its config
         "model.config.**": (HFCausalLM,),  # free-form fields of transformers' own config
         "scheduler.name": (ScheduleConfig,),  # SCHEDULES

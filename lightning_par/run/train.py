@@ -79,6 +79,9 @@ def validate(cfg: DictConfig, strategy: Any, model: L.LightningModule, datamodul
         raise ConfigError("trainer.accelerator=gpu but no GPU is visible; use trainer.accelerator=cpu or auto")
     if acc == "cpu" and precision.startswith("16"):
         raise ConfigError(f"precision {precision} needs a GPU; on CPU use bf16-mixed, bf16-true or 32-true")
+    from lightning_par.run.attention_option import check_attention
+
+    check_attention(model, acc, precision)  # the attention backend against the device (run/attention_option.py)
     world = world_size_of(cfg)
     devices = world // int(cfg.trainer.get("num_nodes", 1))
     if getattr(strategy, "single_process", False) and world > 1:

@@ -13,7 +13,9 @@ before any process starts.
 
 Determinism for loss parity: no dropout, and an eager build draws its weights from a generator forked
 off the global seed, so every strategy and world size starts from the same weights. Attention is
-SDPA by default; ``attn_implementation=eager`` (Gemma-2 supports only eager) computes the same.
+SDPA by default; ``attn_implementation`` takes ``models/attention.py``'s names: ``eager`` (Gemma-2 supports only
+eager) and ``sdpa_flash`` / ``sdpa_efficient`` / ``sdpa_cudnn`` / ``sdpa_math`` (SDPA held to one kernel,
+registered with transformers' ``AttentionInterface``) compute the same.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lightning_par.models.attention import HF_KEYS, NAMES, name_of_hf_key, register_with_transformers
 from lightning_par.models.module import ParModule
 from lightning_par.models.hf.pretrained import build_pretrained, pretrained_config
 from lightning_par.parallel.contract import ParallelPlan
@@ -38,7 +41,8 @@ from lightning_par.parallel.hf.plan import (
 from lightning_par.parallel.init.weights import SafetensorsWeights, check_pretrained
 
 ARCHS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "gemma3_text")
-ATTENTION = ("sdpa", "eager")
+#: ``attn_implementation``'s names (``models/attention.py``); transformers knows them as ``attention.HF_KEYS``
+ATTENTION = NAMES
 _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
                  "summary_first_dropout")
 
@@ -48,14 +52,28 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ImportError("HFCausalLM needs transformers: pip install 'lightning_par[hf]'") from None
+    register_with_transformers()  # the sdpa_* names (idempotent)
     return transformers
+
+
+def hf_attention_key(attn: Any, model_cls: Any, arch: str) -> str:
+    """The transformers key (``attention.HF_KEYS``) of ``attn``, one of ``ATTENTION``; one-line ValueError for
+    another name or for an SDPA name (sdpa, sdpa_*) on a family without SDPA support (it gets eager only)."""
+    if attn not in ATTENTION:
+        raise ValueError(f"HFCausalLM: attn_implementation={attn!r}; choose one of {', '.join(ATTENTION)}")
+    if attn != "eager" and not getattr(model_cls, "_supports_sdpa", True):
+        raise ValueError(f"HFCausalLM: {arch} does not support attn_implementation={attn}; use eager")
+    _transformers()
+    return HF_KEYS[attn]
 
 
 def hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int | None, intermediate: int | None,
               vocab: int, max_positions: int, tie_word_embeddings: bool, attn_implementation: str = "sdpa",
               **extra: Any) -> Any:
     """A ``transformers`` config for ``arch`` in our size vocabulary, without dropout, with
-    ``attn_implementation`` (``sdpa`` or ``eager``; ``extra`` may name it too, as the YAML's ``config``)."""
+    ``attn_implementation`` (``ATTENTION``: sdpa, sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math or eager;
+    ``extra`` may name it too, as the YAML's ``config``), held in ``_attn_implementation`` as transformers
+    knows it (``attention.HF_KEYS``: sdpa_flash is ``sdpa_fa`` there)."""
     attn = extra.pop("attn_implementation", None) or attn_implementation
     if arch not in ARCHS:
         raise ValueError(f"HFCausalLM: unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -80,12 +98,8 @@ def hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int 
     for key in _DROPOUT_KEYS:
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
-    if attn not in ATTENTION:
-        raise ValueError(f"HFCausalLM: attn_implementation={attn!r}; choose one of {', '.join(ATTENTION)}")
     model_cls = _transformers().AutoModelForCausalLM._model_mapping[type(cfg)]
-    if attn == "sdpa" and not getattr(model_cls, "_supports_sdpa", True):
-        raise ValueError(f"HFCausalLM: {arch} does not support attn_implementation=sdpa; use eager")
-    cfg._attn_implementation = attn
+    cfg._attn_implementation = hf_attention_key(attn, model_cls, arch)
     return cfg
 
 
@@ -105,7 +119,8 @@ class HFCausalLM(ParModule):
             its ``config.json`` (``arch`` .. ``tie_word_embeddings`` are then not used) and the weights
             from its safetensors files, each rank reading only its shards (``models/hf/pretrained.py``).
             Dropout stays off; ``config`` still sets further fields.
-        attn_implementation: ``sdpa`` (default) or ``eager`` (also accepted inside ``config``).
+        attn_implementation: ``sdpa`` (default), ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``
+            or ``eager`` (``models/attention.py``; also accepted inside ``config``).
         config: further ``transformers`` config fields (e.g. ``rope_theta``, ``sliding_window``).
         optimizer, lr, weight_decay, betas, momentum: as ``ParModule``.
     """
@@ -126,7 +141,11 @@ class HFCausalLM(ParModule):
         if self.pretrained:  # architecture and sizes from the checkpoint; checked against its tensors now
             extra = dict(config or {})
             attn = extra.pop("attn_implementation", None) or attn_implementation
-            self.hf_config = pretrained_config(self.pretrained, attn_implementation=attn, **extra)
+            if attn not in ATTENTION:  # before reading the checkpoint: the family is checked below
+                hf_attention_key(attn, None, "")
+            self.hf_config = pretrained_config(self.pretrained, attn_implementation=HF_KEYS[attn], **extra)
+            hf_attention_key(attn, _transformers().AutoModelForCausalLM._model_mapping.get(type(self.hf_config), None),
+                            self.hf_config.model_type)
             max_positions = _max_positions(self.hf_config) or seq_len or max_positions
             check_pretrained(self.build_hf("meta"), SafetensorsWeights(self.pretrained))
         self.seq_len = seq_len or max_positions
@@ -239,7 +258,13 @@ class HFCausalLM(ParModule):
         ``Shape.of_hf``, which refuses a family it has no op-by-op shape for): its transformers config at
         ``seq_len`` tokens (None: the longest sequence the model takes)."""
         return {"family": "hf", "config": self.hf_config, "seq_len": seq_len,
-                "loss_chunk": self.chunked_loss.chunk_tokens if self.chunked_loss else 0}
+                "loss_chunk": self.chunked_loss.chunk_tokens if self.chunked_loss else 0,
+                "attn_implementation": self.attn_implementation, "dropout": 0.0}
+
+    @property
+    def attn_implementation(self) -> str:
+        """The attention backend in ``models/attention.py``'s names (the config holds transformers' key)."""
+        return name_of_hf_key(self.hf_config._attn_implementation)
 
     def state_dict_keys(self) -> list[str]:
         return list(self._model().state_dict())
