@@ -1,8 +1,9 @@
-"""``compile=true``: every block compiled in place by the one ordered function (after tensor parallel
-and checkpointing, before FSDP/DDP), under every kind of strategy, with loss parity.
+"""``compile``: every block compiled in place (``compile=true``, the scope ``blocks``) or the whole model
+and its loss (``compile=model``) by the one ordered function (after tensor parallel and checkpointing,
+before FSDP/DDP), under every kind of strategy, with loss parity.
 
-One 2-rank multirun (single, ddp, zero2, fsdp, tensor_parallel, pipeline; gpt_tiny, fp32, 12 AdamW
-steps) against the eager single-device run of the same config. Compiled kernels (inductor's C++
+Two 2-rank multiruns (gpt_tiny, fp32, 12 AdamW steps) -- blocks: zero2, tensor_parallel, pipeline;
+model: single, ddp, fsdp, pipeline -- against the eager single-device run of the same config. Compiled kernels (inductor's C++
 kernels here) may reorder float math; measured on this CPU the largest relative deviation from the
 eager losses is 1.1e-7 (pipeline), 1.0e-7 (ddp, fsdp), 9e-8 (single) -- the same size as the eager
 strategies' own deviation -- so the bound is the eager parity bound, rtol 1e-5, about 100x the
@@ -18,35 +19,43 @@ from tests.sweeps import by_strategy, single_refs, sweep
 
 pytestmark = pytest.mark.timeout(900)
 
-COMPILED = ("compile=true", "strategy=single,ddp,zero2,fsdp,tensor_parallel,pipeline", "trainer.devices=2")
+BLOCKS = ("compile=true", "strategy=zero2,tensor_parallel,pipeline", "trainer.devices=2")
+MODEL = ("compile=model", "strategy=single,ddp,fsdp,pipeline", "trainer.devices=2")
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    return by_strategy(sweep(*COMPILED))
+    """(scope, strategy) -> summary."""
+    return {**{("blocks", k): v for k, v in by_strategy(sweep(*BLOCKS)).items()},
+            **{("model", k): v for k, v in by_strategy(sweep(*MODEL)).items()}}
 
 
 @pytest.mark.slow
 def test_compiled_strategies_match_the_eager_single_run(compiled):
     eager, _ = single_refs()
     assert eager["compile"] is None  # the reference really is eager
-    for name, summary in compiled.items():
+    assert len(compiled) == 7, list(compiled)
+    for (_, name), summary in compiled.items():
         assert summary["world_size"] == (1 if name == "single" else 2), summary
         assert_losses_match(summary, eager, rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_compile_reaches_every_block_and_produces_graphs(compiled):
-    for name, summary in compiled.items():
+def test_compile_reaches_every_block_or_the_whole_model_and_produces_graphs(compiled):
+    for (scope, name), summary in compiled.items():
         facts = summary["compile"]
-        # gpt_tiny has 2 blocks; a pipeline stage holds one of them (rank 0's stage is reported)
-        assert facts["modules"] == (1 if name == "pipeline" else 2), (name, facts)
-        assert facts["graphs"] >= 1, (name, facts)  # Dynamo really traced something
+        assert facts["scope"] == scope, (name, facts)
+        if scope == "blocks":  # gpt_tiny has 2 blocks; a pipeline stage holds one of them (rank 0's stage is reported)
+            assert facts["modules"] == (1 if name == "pipeline" else 2), (name, facts)
+            assert facts["graphs"] >= 1, (name, facts)  # Dynamo really traced something
+        else:  # one module compiled whole (the model, or rank 0's stage); the loss is a graph of its own
+            assert facts["modules"] == 1, (name, facts)
+            assert facts["graphs"] >= (1 if name == "pipeline" else 2), (name, facts)
 
 
 def test_a_bad_compile_option_is_one_line(tmp_path):
     proc = run_cli(["experiment=quick", "compile=fast"], tmp_path, timeout=120, check=False)
     assert proc.returncode == 2  # the app's exit status for a configuration error
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == ["error: compile='fast': expected true, false or torch.compile's keyword arguments "
-                     "(e.g. compile={mode:max-autotune-no-cudagraphs})"], proc.stderr[-2000:]
+    assert lines == ["error: compile='fast': expected true, false, blocks, model or torch.compile's keyword "
+                     "arguments (e.g. compile={mode:max-autotune-no-cudagraphs,scope:model})"], proc.stderr[-2000:]

@@ -49,13 +49,13 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def compile_facts(modules: int | None) -> dict[str, int] | None:
-    """What torch.compile did in this process: compiled modules, Dynamo graphs, graph breaks."""
+def compile_facts(modules: int | None, scope: str | None = None) -> dict[str, Any] | None:
+    """What torch.compile did in this process: its scope, the compiled modules, Dynamo graphs, graph breaks."""
     if not modules:
         return None
     from torch._dynamo.utils import counters
 
-    return {"modules": int(modules), "graphs": int(counters["stats"]["unique_graphs"]),
+    return {"scope": scope, "modules": int(modules), "graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
@@ -160,7 +160,7 @@ class RunSummary(L.Callback):
             "model": self.model_name or class_name(pl_module),
             "n_params": int(facts.get("n_params", self.n_params)),
             "units_rule": facts.get("units_rule"),
-            "compile": compile_facts(facts.get("compiled_modules")),
+            "compile": compile_facts(facts.get("compiled_modules"), facts.get("compile_scope")),
             "activation_checkpointing": facts.get("checkpointed_blocks") or None,
             "float8": facts.get("float8"),
             "precision": str(trainer.precision),

@@ -17,7 +17,8 @@ meta** to **materialise**; each is marked with its name in the code below:
 - **tensor parallel** on each stage (or the whole model), then **expert parallel**
   (``spec.expert_parallel``: the routed experts sharded over the ep axis, ``expert_parallel.py``);
 - **checkpoint activations** of the blocks present (and of the tiles);
-- **compile** each block (``module.compile()`` in place: state-dict keys do not change);
+- **compile** each block (``module.compile()`` in place: state-dict keys do not change), or with
+  ``compile_scope="model"`` each stage whole and the model's ``loss_fn`` (``compile_model``);
 - **fully shard**: FSDP2 ``fully_shard`` (the expert modules over their own data axis -- or, with
   none beside ep, left out of FSDP -- then units, then the stage/model root);
 - **materialise**: allocate only this rank's local tensors and fill them with the model's own,
@@ -43,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.memory.chunked_loss import chunked_head
+from lightning_par.parallel.contract import loss_fn_of
 from lightning_par.parallel.discovery import ResolvedPlan, init_groups
 from lightning_par.parallel.tensor.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_par.parallel.sharding.fsdp import apply_fsdp, resolve_units
@@ -114,6 +116,8 @@ class Techniques:
     own_checkpointing: Callable[[nn.Module, str], bool] | None = None
     compile: bool = False
     compile_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: "blocks": each block compiled in place; "model": each stage whole, and the model's loss
+    compile_scope: str = "blocks"
     fully_shard: FullyShard | None = None
 
 
@@ -131,6 +135,18 @@ def _exists(root: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def compile_model(stage: nn.Module, model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """The stage compiled whole in place (the model's forward, one graph between FSDP's hooks, which
+    Dynamo leaves out of its graphs), and, once for the model, its ``loss_fn``: the logits' upcast,
+    log-softmax and gathering fused into one kernel. A chunked loss (``chunked_loss.py``) stays eager: it is a
+    loop of checkpointed chunks Dynamo would unroll, with a tensor-parallel collective inside."""
+    stage.compile(**kwargs)
+    loss = loss_fn_of(model)
+    if loss is not None and chunked_head(model) is None and not getattr(model, "_compiled_loss", False):
+        model.loss_fn = torch.compile(loss, **kwargs)
+        model._compiled_loss = True
 
 
 def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
@@ -176,7 +192,9 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
         held = blocks if spec.activation_checkpointing else []
         apply_activation_checkpointing(stage, blocks=[t for t in stage_tiles
                                                       if not any(t.startswith(b + ".") for b in held)])
-        if spec.compile:                                                                 # compile
+        if spec.compile and spec.compile_scope == "model":                               # compile
+            compile_model(stage, module, spec.compile_kwargs)
+        elif spec.compile:
             for path in blocks:
                 stage.get_submodule(path).compile(**spec.compile_kwargs)
         if spec.fully_shard is not None:                                                 # fully shard

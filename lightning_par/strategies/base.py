@@ -121,10 +121,11 @@ class ParStrategyMixin:
     #: True when the strategy keeps model states in host memory (the memory callback reads it)
     cpu_offload: bool = False
     activation_checkpointing: bool | str = False
-    #: ``torch.compile`` each repeated block in place: False, True, or torch.compile's keyword arguments
-    #: (``{"mode": "max-autotune-no-cudagraphs"}``); the app sets it from the top-level ``compile`` key,
-    #: a user's own Trainer by ``strategy.compile = True`` before ``fit``
-    compile: bool | dict[str, Any] = False
+    #: ``torch.compile``: False; True or "blocks" (each repeated block in place); "model" (each stage whole,
+    #: and the model's loss); or torch.compile's keyword arguments (``{"mode": "max-autotune-no-cudagraphs",
+    #: "scope": "model"}``). The app sets it from the top-level ``compile`` key, a user's own Trainer by
+    #: ``strategy.compile = True`` before ``fit``
+    compile: bool | str | dict[str, Any] = False
     #: float8 training of the linear layers (``parallel/precision/float8.py``): None, "tensorwise" or "rowwise";
     #: the app sets it from ``model.float8``, a user's own Trainer by ``strategy.float8 = "rowwise"`` before ``fit``
     float8: str | None = None
@@ -332,8 +333,11 @@ class ParStrategyMixin:
         # a part, so it becomes a collective that streams the whole model out (every rank calls it)
         install_sharded_save(module)
         # what compile did, for the run summary: modules whose call runs through torch.compile
+        # (a pipeline's stage modules may be wrappers outside the model's own tree)
+        reached = {id(m): m for root in (module, *stages) for m in root.modules()}
         self.model_facts["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None
-                                                   for m in module.modules())
+                                                   for m in reached.values())
+        self.model_facts["compile_scope"] = spec.compile_scope if spec.compile else None
         if spec.float8 is not None:  # what float8 converted on this rank's stages, for the run summary
             self.model_facts["float8"] = {"recipe": spec.float8.recipe, "emulated": spec.float8.emulate,
                                           "fsdp_float8_all_gather": spec.float8.fsdp_all_gather,
@@ -397,16 +401,26 @@ def free_gradients_after_step(module: Any, optimizer: Any) -> None:
     inner.zero_grad(set_to_none=True)
 
 
-def compile_fields(option: bool | dict[str, Any] | None) -> dict[str, Any]:
-    """``Techniques``' compile fields from the ``compile`` option (False / True / torch.compile kwargs)."""
+#: what ``compile`` compiles: each repeated block in place, or each stage whole and the loss
+COMPILE_SCOPES = ("blocks", "model")
+
+
+def compile_fields(option: bool | str | dict[str, Any] | None) -> dict[str, Any]:
+    """``Techniques``' compile fields from the ``compile`` option: false, true (= blocks), ``blocks``,
+    ``model``, or torch.compile's keyword arguments with an optional ``scope`` among them."""
     if option is None or option is False:
         return {"compile": False}
     if option is True:
         return {"compile": True}
+    if isinstance(option, str) and option in COMPILE_SCOPES:
+        return {"compile": True, "compile_scope": option}
     if isinstance(option, Mapping):
-        return {"compile": True, "compile_kwargs": dict(option)}
-    raise ConfigError(f"compile={option!r}: expected true, false or torch.compile's keyword arguments "
-                      "(e.g. compile={mode:max-autotune-no-cudagraphs})")
+        kwargs = dict(option)
+        scope = kwargs.pop("scope", "blocks")
+        if scope in COMPILE_SCOPES:
+            return {"compile": True, "compile_kwargs": kwargs, "compile_scope": scope}
+    raise ConfigError(f"compile={option!r}: expected true, false, blocks, model or torch.compile's keyword arguments "
+                      "(e.g. compile={mode:max-autotune-no-cudagraphs,scope:model})")
 
 
 def _optimizer_states(opt: Any) -> Iterator[dict]:
