@@ -87,11 +87,12 @@ class Cluster:
     intra_node_gbs: float = 300.0  # GB/s per device within a node (NVLink-class)
     inter_node_gbs: float = 25.0  # GB/s per device between nodes (InfiniBand-class; Ethernet: ~3)
     peak_tflops: float = 989.0  # dense bf16 TFLOP/s per device (H100 SXM)
-    efficiency: float = 0.5  # fraction of the peak a training step's matmuls reach
+    efficiency: float = 0.5  # fraction of the peak a training step reaches (the CLI: measured.py's, by device class)
     host_link_gbs: float = 25.0  # device <-> host GB/s per device (offload)
     host_memory_gb: float | None = None  # GiB of host memory per node; None: not stated (not checked)
     nvme_gb: float | None = None  # GiB of local disk (NVMe) per node for the disk tier; None: no disk tier
     nvme_gbs: float = 3.0  # GB/s the node's NVMe reads and writes, shared by its ranks (one PCIe 4 drive: 3-7)
+    float8_tflops: float | None = 1979.0  # dense float8 TFLOP/s per device (None: no float8 matmuls)
 
     @property
     def devices(self) -> int:
@@ -99,7 +100,7 @@ class Cluster:
 
     @property
     def device(self) -> Device:
-        return Device(self.peak_tflops, self.efficiency, self.host_link_gbs)
+        return Device(self.peak_tflops, self.efficiency, self.host_link_gbs, float8_tflops=self.float8_tflops)
 
 
 @dataclass

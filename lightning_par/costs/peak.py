@@ -33,6 +33,15 @@ from lightning_par.costs.states import bytes_per_param, disk_tier_resident, opti
 # what a rank holds is declared by the strategy catalogue; this module prices it
 from lightning_par.parallel.layout import GRAD_MODES, Layout  # noqa: F401 -- re-exported
 
+#: what cuBLAS holds on a CUDA device through the step, in the caching allocator (so within
+#: ``torch.cuda.max_memory_allocated``): torch gives each (thread's handle, stream) pair a workspace of
+#: ``CUBLAS_WORKSPACE_CONFIG``'s size -- by default 32 MiB on compute capability 9.0 (H100/H200), 8 MiB
+#: (4096 KiB x 2 + 16 KiB x 8) before -- and a training step has two such pairs: the forward's thread and
+#: autograd's device thread, on the same stream. Priced at Hopper's size. (torch's CublasHandlePool.cpp
+#: allocates them through the caching allocator; the sizes are its defaults; not yet checked on a GPU.)
+CUBLAS_WORKSPACES = 2 * 32 * 2**20
+
+
 @dataclass(frozen=True)
 class Peak:
     params: int
@@ -141,7 +150,7 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
         if shard == 1 and not lay.cpu_offload:
             gathered_root = gathered_unit = 0.0
 
-    base = params + opt
+    base = params + opt + (CUBLAS_WORKSPACES if device == "cuda" else 0)
     largest = max(u["embed_table"] if has_embed else 0, u["lm_head"] if has_head else 0, u["block_linear"]) / tp
     moments = {}
     # backward at the loss (head): all activations, the loss buffers

@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning_par.costs.advisor import Advice, Cluster, advise, describe
 from lightning_par.costs.calibration import calibrate
+from lightning_par.costs.measured import DEFAULT_GPU, GPUS, measured_efficiency
 from lightning_par.costs.shape import Shape
 from lightning_par.costs.estimate import preset_names
 
@@ -217,7 +218,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
                          f"max_positions), a config's max_position_embeddings up to {MAX_DEFAULT_SEQ}, else 2048")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (default: %(default)s)")
     ap.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (default: %(default)s)")
-    ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (default: %(default)s)")
+    ap.add_argument("--gpu", choices=list(GPUS), default=None,
+                    help="the device class: its peak, memory and float8 peak, and the efficiency measured on its "
+                         f"generation (default: {DEFAULT_GPU}; --peak-tflops / --device-memory / --efficiency override)")
+    ap.add_argument("--device-memory", type=float, default=None,
+                    help=f"GiB per device (default: the --gpu's, {GPUS[DEFAULT_GPU].memory_gib:g} for {DEFAULT_GPU})")
     ap.add_argument("--intra-node-gbs", type=float, default=300.0,
                     help="GB/s per device within a node (default: %(default)s, NVLink-class)")
     ap.add_argument("--inter-node-gbs", type=float, default=25.0,
@@ -230,14 +235,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
     ap.add_argument("--global-batch", type=int, default=None,
                     help="sequences per optimizer step (default: the micro-batch size x every device); every plan "
                          "is priced at it, with accumulation or pipeline micro-batches to reach it")
-    ap.add_argument("--peak-tflops", type=float, default=989.0,
-                    help="dense bf16 TFLOP/s per device, for step time and MFU (default: %(default)s, H100 SXM)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="dense bf16 TFLOP/s per device, for step time and MFU (default: the --gpu's, "
+                         f"{GPUS[DEFAULT_GPU].peak_tflops:g} for {DEFAULT_GPU})")
     speed = ap.add_mutually_exclusive_group()
     speed.add_argument("--calibrate", metavar="RUN_DIR", default=None,
                     help="set --efficiency from a finished run (its summary.json: model FLOPs per step over its "
                          "measured step time and --peak-tflops, which must be the peak of the device it ran on)")
-    speed.add_argument("--efficiency", type=float, default=0.5,
-                    help="fraction of the peak a step's matmuls reach (default: %(default)s)")
+    speed.add_argument("--efficiency", type=float, default=None,
+                    help="fraction of the peak a training step reaches (default: the MFU lightning_par measured on the "
+                         "--gpu's generation, interpolated by parameter count: costs/measured.py)")
     ap.add_argument("--host-memory", type=float, default=None,
                     help="GiB of host memory per node; offload plans must fit it (default: not checked, shown)")
     ap.add_argument("--nvme", type=float, default=None,
@@ -261,15 +268,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
             value = getattr(args, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if not 0 < args.efficiency <= 1:
+        if args.efficiency is not None and not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+        gpu = GPUS[args.gpu or DEFAULT_GPU]
+        args.peak_tflops = args.peak_tflops or gpu.peak_tflops
+        args.device_memory = args.device_memory or gpu.memory_gib
         calibration = calibrate(args.calibrate, args.peak_tflops) if args.calibrate else None
+        asked = shape_from_args(args)
+        measured = None
         if calibration is not None:
             args.efficiency = calibration.efficiency
-        asked = shape_from_args(args)
+        elif args.efficiency is None:
+            measured = measured_efficiency(args.gpu or DEFAULT_GPU, asked.shape.units()["total"])
+            args.efficiency = measured.value
         cluster = Cluster(args.nodes, args.devices_per_node, args.device_memory, args.intra_node_gbs,
                           args.inter_node_gbs, args.peak_tflops, args.efficiency, args.host_link_gbs, args.host_memory,
-                          args.nvme, args.nvme_gbs)
+                          args.nvme, args.nvme_gbs, float8_tflops=gpu.float8_tflops)
         advice = advise(asked.shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
                         checkpointing=False if args.no_checkpointing else True if args.checkpointing else None,
                         preset=asked.preset, global_batch=args.global_batch, pretrained=asked.pretrained)
@@ -280,6 +294,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
         print(line)
     if calibration is not None:
         print(calibration.line())
+    elif measured is not None:
+        print(measured.line(args.gpu or DEFAULT_GPU))
     if advice.chosen is not None:
         print(advice.memory_line())
     for r in advice.reasons:
