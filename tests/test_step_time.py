@@ -91,3 +91,34 @@ def test_critical_path_latency_counts_collectives():
     tp = step_time(shape, traffic="tensor_parallel", mesh={"tp": 2}, global_batch=1, comm={}, bandwidth_gbs={},
                    device=dev)
     assert tp.comm_exposed == pytest.approx((6 * 4 + 2) * 20e-6) and plain.comm_exposed == 0.0
+
+
+def test_chunked_loss_charges_the_heads_recomputed_forward():
+    """``model.chunked_loss`` checkpoints each chunk of the loss: torch's FLOP counter over a real step
+    (forward, chunked loss, backward; CPU, a small GPT) counts exactly the head's forward matmul more than
+    the unfused step, which is what the step model adds (``recomputed_head_flops``)."""
+    import dataclasses
+
+    from lightning_par.costs.step_time import recomputed_head_flops
+    from lightning_par.models.module import cross_entropy
+    from lightning_par.parallel.memory.chunked_loss import chunked_loss_option, make_chunked
+
+    shape = Shape(2, 64, 2, 512, 32)
+    batch, counts = 2, {}
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        net = GPT(shape.gpt_config())
+        x = torch.randint(0, shape.vocab_size, (batch, shape.seq_len))
+        if chunked:
+            head = make_chunked(net.get_output_embeddings(), chunked_loss_option(16))
+        with FlopCounterMode(display=False) as counter:
+            out = net(x)
+            loss = head.loss(out, x) if chunked else cross_entropy(out, x)
+            loss.backward()
+        counts[chunked] = counter.get_total_flops()
+    chunked_shape = dataclasses.replace(shape, loss_chunk=16)
+    assert counts[True] - counts[False] == recomputed_head_flops(chunked_shape) * batch > 0
+    assert recomputed_head_flops(shape) == 0
+    args = dict(traffic="none", mesh={}, global_batch=batch, comm={}, bandwidth_gbs={}, device=Device())
+    extra = step_time(chunked_shape, **args).compute - step_time(shape, **args).compute
+    assert extra == pytest.approx(recomputed_head_flops(chunked_shape) * batch / (989e12 * 0.5))

@@ -4,7 +4,8 @@
 
 - **compute**: the hardware FLOPs of this rank's share of the step -- the model FLOPs of its
   data-parallel replica's tokens, divided over its ``tp x pp`` ranks, plus the recomputed forward
-  under activation checkpointing -- at ``efficiency`` of the device's dense peak. Model FLOPs per
+  under activation checkpointing and the output layer's recomputed forward under a chunked loss
+  (``recomputed_head_flops``) -- at ``efficiency`` of the device's dense peak. Model FLOPs per
   token are ``flops_per_token``: 6 per weight a token is multiplied by (forward 2, backward 4; the
   embedding lookup is free, the output head is not; MoE blocks count their router, shared parts and
   ``top_k`` experts), plus attention's ``QK^T`` and ``AV`` over the whole sequence (12 s h per layer:
@@ -123,6 +124,12 @@ def float8_flops_per_token(shape: Shape) -> float:
     return 6 * (shape.n_layer - shape.n_moe_layers) * shape.units()["block_matmul"]
 
 
+def recomputed_head_flops(shape: Shape) -> float:
+    """What ``model.chunked_loss`` adds per sequence: each chunk of tokens is checkpointed, so the output
+    layer's forward matmul (2 FLOPs per weight and token) runs again in backward; nothing when it is off."""
+    return 2.0 * shape.units()["lm_head"] * shape.seq_len if shape.loss_chunk else 0.0
+
+
 def data_parallel_calls(traffic: str, shape: Shape, mesh: dict[str, int], forwards: int) -> int:
     """Collectives a strategy issues per step on its data axes (their latency is hidden with their
     bytes where they overlap compute): DDP's 25 MB buckets, ZeRO-1's buckets and its broadcasts
@@ -163,6 +170,8 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
     # matmul (its pointwise recomputation is memory-bound time this FLOP model does not see)
     factor = 4 / 3 if recompute in (True, "full") else 1.0
     rank_flops = model_flops / devices * factor
+    if shape.loss_chunk:  # the chunked loss checkpoints each chunk: the head's forward matmul runs again in backward
+        rank_flops += recomputed_head_flops(shape) * global_batch / devices
     fast = 0.0  # of rank_flops, those at the float8 peak
     if float8 and device.float8_tflops:
         fast = float8_flops_per_token(shape) * shape.seq_len * global_batch / devices * factor
