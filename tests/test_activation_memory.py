@@ -19,7 +19,7 @@ from lightning_par.costs.activations import attention_kernel
 from lightning_par.costs.shape import Shape
 from lightning_par.costs.estimate import estimate
 from lightning_par.models.gpt import GPT
-from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing, checkpointing_mode, every_kth
 from tests.helpers import memtracker_step_peak
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,18 +39,21 @@ CASES = {
     "selective-fp32": (4, 64, 4, 256, 128, 4, "32-true", "selective", 0.0),
     "selective-long-seq-bf16": (4, 32, 2, 512, 256, 2, "bf16-mixed", "selective", 0.0),
     "selective-math-path-fp32": (4, 32, 2, 256, 128, 2, "32-true", "selective", 0.1),
+    # every 2nd block checkpointed whole (activation_checkpointing=2): blocks 0 and 2 of 4
+    "every-2nd-long-seq-fp32": (4, 32, 2, 512, 256, 2, "32-true", 2, 0.0),
 }
 
 
-def _mode(checkpointing: bool | str) -> str:
+def _mode(checkpointing: bool | str | int) -> str:
     return "selective" if checkpointing == "selective" else "full"
 
 
-def measured_peak(shape: Shape, batch: int, precision: str, checkpointing: bool | str) -> int:
+def measured_peak(shape: Shape, batch: int, precision: str, checkpointing: bool | str | int) -> int:
     torch.manual_seed(0)
     net = GPT(shape.gpt_config()).train()
-    if checkpointing:
-        apply_activation_checkpointing(net, blocks=[f"blocks.{i}" for i in range(shape.n_layer)],
+    if checkpointing:  # the blocks parallelize checkpoints (every_kth: all of them, or every k-th)
+        apply_activation_checkpointing(net, blocks=every_kth([f"blocks.{i}" for i in range(shape.n_layer)],
+                                                             checkpointing_mode(checkpointing)),
                                        mode=_mode(checkpointing))
     return memtracker_step_peak(net, shape.vocab_size, batch, shape.seq_len, precision)
 
@@ -73,7 +76,7 @@ def test_the_cases_exercise_every_term():
     shapes = [Shape(L, h, a, V, T, dropout=d) for L, h, a, V, T, _, _, _, d in CASES.values()]
     assert any(s.seq_len > s.n_embd for s in shapes)
     assert any(8 * s.vocab_size > 16 * s.n_layer * s.n_embd for s in shapes)  # loss buffers > all layers
-    assert {c[6] for c in CASES.values()} == {"32-true", "bf16-mixed"} and {c[7] for c in CASES.values()} == {True, False, "selective"}
+    assert {c[6] for c in CASES.values()} == {"32-true", "bf16-mixed"} and {c[7] for c in CASES.values()} == {True, False, "selective", 2}
     assert {attention_kernel(s, "cpu") for s in shapes} == {"fused", "math"}
 
 

@@ -138,11 +138,12 @@ def test_estimate_prices_fsdp_bf16_gathers(tmp_path: Path) -> None:
     the root (embeddings and the untied head) is gathered again; with ``param_dtype=bf16`` the gathers
     move 2 bytes per parameter and the forward computes in bf16, so the activations shrink too, and
     the peak falls at the loss. The states (fp32 shards) do not move. Absolute figures are checked
-    against FSDPMemTracker in tests/test_fsdp_peak.py (within 7%); the figures here are today's."""
+    against FSDPMemTracker in tests/test_fsdp_peak.py (within 7%); the figures here are today's (a CUDA
+    estimate: cuBLAS's two 32 MiB workspaces included, costs/peak.py)."""
     fp32 = _estimate(tmp_path / "fp32")["fsdp"]
     bf16 = _estimate(tmp_path / "bf16", "strategy.param_dtype=bf16")["fsdp"]
     assert (fp32["moment"], bf16["moment"]) == ("backward head", "backward loss")
-    assert (fp32["peak"], bf16["peak"]) == (2_420_222_976, 1_902_738_432)
+    assert (fp32["peak"], bf16["peak"]) == (2_487_331_840, 1_969_847_296)
     assert bf16["activations"] < 0.7 * fp32["activations"]
     for key in ("params", "grads", "optimizer_state"):  # the shards stay fp32
         assert bf16[key] == fp32[key], key

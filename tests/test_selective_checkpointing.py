@@ -10,7 +10,9 @@ block keeps its matmul and fused-attention outputs and recomputes the rest (para
   change fp32 results), and summary.json's ``activation_checkpointing`` -- read from the modules -- shows the
   blocks checkpointed selectively (losses alone would pass if the option were dropped). The Hugging Face
   Llama under zero3 and pipeline is in test_hf.py.
-- A value other than false / true / full / selective is one line before launch.
+- Every k-th block (``activation_checkpointing=k``): exact gradients in one process (ours and transformers'
+  own switch), and at 2 ranks under fsdp and the pipeline the single-device losses.
+- A value other than false / true / full / selective / k >= 1 is one line before launch.
 The estimator's peak under selective checkpointing is checked against MemTracker in
 test_activation_memory.py, the advisor's weighing of it in test_advisor.py.
 """
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 from lightning_par import ConfigError
-from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing, checkpointing_mode
+from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing, checkpointing_mode, every_kth
 from lightning_par.run.config_values import check_config_values
 from tests.helpers import assert_losses_match, composed
 from tests.sweeps import by_strategy, single_refs, sweep
@@ -33,10 +35,13 @@ FOUR_RANKS = ("zero3", "fsdp", "hsdp")
 
 
 def test_the_option_reads_as_a_mode_and_a_bad_value_is_one_line():
-    assert [checkpointing_mode(v) for v in (False, None, "false", True, "true", "full", "selective")] == \
-        [None, None, None, "full", "full", "full", "selective"]
-    with pytest.raises(ValueError, match="must be false, true, full or selective"):
-        checkpointing_mode("sometimes")
+    assert [checkpointing_mode(v) for v in (False, None, "false", True, "true", "full", "selective", 1, 2, "3")] == \
+        [None, None, None, "full", "full", "full", "selective", "full", 2, 3]
+    for bad in ("sometimes", 0, -2):
+        with pytest.raises(ValueError, match="must be false, true, full, selective or k >= 1"):
+            checkpointing_mode(bad)
+    assert every_kth([f"b{i}" for i in range(5)], 2) == ["b0", "b2", "b4"] and every_kth(["b0", "b1"], "full") == ["b0", "b1"]
+    check_config_values(composed("experiment=quick", "strategy=fsdp", "strategy.activation_checkpointing=2"))
     check_config_values(composed("experiment=quick", "strategy=fsdp", "strategy.activation_checkpointing=selective"))
     with pytest.raises(ConfigError) as info:
         check_config_values(composed("experiment=quick", "strategy=fsdp", "strategy.activation_checkpointing=sometimes"))
@@ -88,9 +93,12 @@ def test_gradients_are_exact_and_activations_fall_between_none_and_full(family):
     none, grads = _step(net, x, None, blocks)
     full, full_grads = _step(net, x, "full", blocks)
     selective, selective_grads = _step(net, x, "selective", blocks)
+    every, every_grads = _step(net, x, "full", every_kth(blocks, 2))  # activation_checkpointing=2: blocks 0 and 2
     assert all(torch.equal(a, b) for a, b in zip(grads, selective_grads))
     assert all(torch.equal(a, b) for a, b in zip(grads, full_grads))
+    assert all(torch.equal(a, b) for a, b in zip(grads, every_grads))
     assert full < selective < none, (full, selective, none)
+    assert full < every < none, (full, every, none)
 
 
 def test_through_transformers_own_checkpointing_the_gradients_are_exact():
@@ -108,10 +116,12 @@ def test_through_transformers_own_checkpointing_the_gradients_are_exact():
     base = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().train()
     x = torch.randint(0, 256, (4, 128))
     grads, kept = {}, {}
-    for mode in (None, "full", "selective"):
+    for mode in (None, "full", "selective", 2):
         net = copy.deepcopy(base)
         if mode:
             assert hf_enable_checkpointing(net, mode)
+        if mode == 2:  # every 2nd decoder layer: layer 0 of the 2 keeps transformers' checkpointing, layer 1 not
+            assert [layer.gradient_checkpointing for layer in net.model.layers] == [True, False]
         tracker = MemTracker()
         tracker.track_external(net)
         with tracker:
@@ -121,7 +131,9 @@ def test_through_transformers_own_checkpointing_the_gradients_are_exact():
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
         grads[mode] = [p.grad for p in net.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads[None], grads["selective"]))
+    assert all(torch.equal(a, b) for a, b in zip(grads[None], grads[2]))
     assert kept["full"] < kept["selective"] < kept[None], kept
+    assert kept["full"] < kept[2] < kept[None], kept
 
 
 #: (ranks, strategies) of the shared selective-checkpointing sweeps
@@ -138,6 +150,18 @@ def test_selective_checkpointing_matches_single(ranks, strategy):
     # applied, read from the modules: both blocks of gpt_tiny (rank 0's one under the pipeline)
     assert s["activation_checkpointing"] == {"selective": 1 if strategy == "pipeline" else 2}, s["activation_checkpointing"]
     assert_losses_match(s, single_refs()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_kth_block_matches_single():
+    """``activation_checkpointing=2`` at 2 ranks: fsdp checkpoints block 0 of gpt_tiny's two, and so does the
+    pipeline's rank 0, whose stage holds block 0 (summary.json reports rank 0's modules); losses: the
+    single-device run's (fp32, rtol 1e-5)."""
+    s = by_strategy(sweep("strategy=fsdp,pipeline", "trainer.devices=2", "strategy.activation_checkpointing=2"))
+    for name in ("fsdp", "pipeline"):
+        assert s[name]["activation_checkpointing"] == {"full": 1}, (name, s[name]["activation_checkpointing"])
+        assert_losses_match(s[name], single_refs()[0])
 
 
 def test_selective_with_tiled_layers_inside_a_block_is_one_line_before_launch(tmp_path):

@@ -122,3 +122,14 @@ def test_chunked_loss_charges_the_heads_recomputed_forward():
     args = dict(traffic="none", mesh={}, global_batch=batch, comm={}, bandwidth_gbs={}, device=Device())
     extra = step_time(chunked_shape, **args).compute - step_time(shape, **args).compute
     assert extra == pytest.approx(recomputed_head_flops(chunked_shape) * batch / (989e12 * 0.5))
+
+
+def test_every_kth_block_recomputes_its_share_of_a_forward():
+    """``activation_checkpointing=k``: the blocks 0, k, 2k, ... recompute their forward -- ceil(L / k) of L
+    blocks, so a third of a plain step's compute times that share; full checkpointing is k = 1."""
+    shape = Shape(4, 256, 4, 1024, 128)
+    args = dict(traffic="none", mesh={}, global_batch=2, comm={}, bandwidth_gbs={}, device=Device())
+    plain = step_time(shape, **args).compute
+    assert step_time(shape, recompute=2, **args).compute == pytest.approx(plain * (1 + 2 / 4 / 3))
+    assert step_time(shape, recompute=3, **args).compute == pytest.approx(plain * (1 + 2 / 4 / 3))  # blocks 0 and 3
+    assert step_time(shape, recompute="full", **args).compute == pytest.approx(plain * 4 / 3)

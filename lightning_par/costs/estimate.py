@@ -202,7 +202,7 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
     lines = [f"Memory per rank in {unit}: Ψ = {int(n_params):,} params, N = {devices}, {precision} "
              f"({p:g}+{g:g}+{k:g} bytes/param), {optimizer}, "
              + (f"micro-batches of {shape.seq_len} tokens on {device}"
-                + (f", {'selective' if checkpointing == 'selective' else 'full'} checkpointing"
+                + (f", {checkpointing_words(checkpointing)} checkpointing"
                    if checkpointing else "") if shape
                 else "one training step traced on fake tensors (costs/traced.py, CPU kernels)" if traced
                 else "activations not estimated (no model shape)")
@@ -345,3 +345,10 @@ def strategy_layout(name: str, strategy: Any, dims: Any, tiling: dict[str, int],
                    sequence_parallel=o.sequence_parallel, loss_parallel=o.loss_parallel,
                    unsharded_grads=accumulate > 1 and o.grad_sync == "last_micro_batch",
                    reshard_after_forward=o.reshard_after_forward is not False, mesh=dims.sizes())
+
+
+def checkpointing_words(checkpointing: bool | str | int) -> str:
+    """``selective``, ``full`` or ``every k-th block``, for a table's header."""
+    if type(checkpointing) is int and checkpointing >= 2:
+        return f"every {checkpointing}th block"
+    return "selective" if checkpointing == "selective" else "full"

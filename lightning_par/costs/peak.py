@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from lightning_par.costs import activations as act
 from lightning_par.costs.counting import tiled_part
 from lightning_par.costs.shape import Shape
+from lightning_par.parallel.memory.checkpointing import checkpointed_share
 from lightning_par.costs.states import bytes_per_param, disk_tier_resident, optimizer_state_bytes
 # what a rank holds is declared by the strategy catalogue; this module prices it
 from lightning_par.parallel.layout import GRAD_MODES, Layout  # noqa: F401 -- re-exported
@@ -62,8 +63,10 @@ class Peak:
 def step_peak(shape: Shape, layout: Layout, *, micro_batch_size: int, precision: str, optimizer: str,
               checkpointing: bool | str = False, device: str = "cuda") -> Peak:
     """Predicted per-rank bytes (the rank that holds the most: pipeline first or last stage).
-    ``checkpointing``: False, True / ``"full"`` (every block keeps its input only) or ``"selective"``
-    (every block keeps its input and its matmul outputs, ``activations.selective_layer_bytes_per_token``)."""
+    ``checkpointing``: False, True / ``"full"`` (every block keeps its input only), ``"selective"``
+    (every block keeps its input and its matmul outputs, ``activations.selective_layer_bytes_per_token``) or
+    k >= 2 (every k-th block keeps its input only: priced as the average block, with a full block's
+    recomputation as the backward's transient)."""
     if shape.n_moe_layers and layout.tp > 1:
         raise ValueError(f"the estimator does not price tensor parallelism of an MoE model (tp={layout.tp}: its MoE "
                          "layers run whole on every tp rank); estimate it with tp=1")
@@ -111,6 +114,7 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     # bf16 (its activations, no autocast copies), as bf16-true does
     precision = "bf16-true" if lay.grads == "fsdp" and lay.gather_bytes == 2 and precision == "32-true" else precision
     selective = ckpt == "selective"  # matmul outputs kept, the rest recomputed; True / "full": whole blocks
+    every = ckpt if type(ckpt) is int and ckpt >= 2 else None  # every k-th block whole, the others keep everything
     ckpt = bool(ckpt) and not selective
     if selective and tp > 1:
         raise ValueError("the estimator does not price selective checkpointing under tensor parallelism")
@@ -126,6 +130,9 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     full_layer = lt * tokens + copies  # what a block saves without checkpointing
     if ckpt:
         keep = act.checkpoint_bytes_per_token(shape, precision, tp, lay.sequence_parallel) * tokens
+        if every:  # the average block: a share of them checkpointed (a checkpointed one's recompute transient stays)
+            share = checkpointed_share(shape.n_layer, every)
+            keep = share * keep + (1 - share) * full_layer
     elif selective:
         keep = act.selective_layer_bytes_per_token(shape, precision, device=device) * tokens
     else:

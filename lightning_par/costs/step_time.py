@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from lightning_par.costs import comm as comm_model
 from lightning_par.costs.shape import Shape
+from lightning_par.parallel.memory.checkpointing import checkpointed_share
 
 #: the collective kinds each traffic model (``StrategyEntry.comm``) runs beside compute, on data axes
 #: (tensor-parallel and pipeline traffic is on the critical path whatever its kind)
@@ -169,6 +170,8 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
     # full checkpointing recomputes the forward (2 of 6 FLOPs per parameter-token); selective recomputes no
     # matmul (its pointwise recomputation is memory-bound time this FLOP model does not see)
     factor = 4 / 3 if recompute in (True, "full") else 1.0
+    if type(recompute) is int and recompute >= 2:  # every k-th block recomputed: that share of a forward
+        factor = 1 + checkpointed_share(shape.n_layer, recompute) / 3
     rank_flops = model_flops / devices * factor
     if shape.loss_chunk:  # the chunked loss checkpoints each chunk: the head's forward matmul runs again in backward
         rank_flops += recomputed_head_flops(shape) * global_batch / devices

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing, every_kth
 from lightning_par.parallel.memory.chunked_loss import chunked_head
 from lightning_par.parallel.contract import loss_fn_of
 from lightning_par.parallel.discovery import ResolvedPlan, init_groups
@@ -109,11 +109,11 @@ class Techniques:
     float8: Float8 | None = None
     tensor_parallel: TensorParallel | None = None
     expert_parallel: ExpertParallel | None = None
-    #: None, "full" or "selective" (``parallel/memory/checkpointing.py``)
-    activation_checkpointing: str | None = None
+    #: None, "full", "selective" or k (every k-th block whole; ``parallel/memory/checkpointing.py``)
+    activation_checkpointing: str | int | None = None
     #: checkpoint activations for models with their own mechanism (Hugging Face ``gradient_checkpointing_enable``),
     #: given the module and the mode
-    own_checkpointing: Callable[[nn.Module, str], bool] | None = None
+    own_checkpointing: Callable[[nn.Module, str | int], bool] | None = None
     compile: bool = False
     compile_kwargs: dict[str, Any] = field(default_factory=dict)
     #: "blocks": each block compiled in place; "model": each stage whole, and the model's loss
@@ -184,12 +184,13 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                                                    install=plan.install_experts)
         blocks = _blocks_in(stage, module, plan.blocks)
         stage_tiles = _blocks_in(stage, module, tiles)
+        held: list[str] = []
         if spec.activation_checkpointing:                                                # checkpoint activations
             mode = spec.activation_checkpointing
+            held = _blocks_in(stage, module, every_kth(plan.blocks, mode))
             if spec.own_checkpointing is None or not spec.own_checkpointing(stage, mode):
-                apply_activation_checkpointing(stage, blocks=blocks, mode=mode)
+                apply_activation_checkpointing(stage, blocks=held, mode="full" if isinstance(mode, int) else mode)
         # tiles: always checkpointed (their point is memory), unless a checkpointed block already holds them
-        held = blocks if spec.activation_checkpointing else []
         apply_activation_checkpointing(stage, blocks=[t for t in stage_tiles
                                                       if not any(t.startswith(b + ".") for b in held)])
         if spec.compile and spec.compile_scope == "model":                               # compile

@@ -297,8 +297,8 @@ TABLE: dict[str, Spec] = {
     "strategy.reshard_after_forward": BOOL | NULL,
     "strategy.cpu_offload": BOOL,
     "strategy.offload_chunk_mb": number(0, lo_open=True).note("disk tier: parameter MB per chunk of the optimizer step"),
-    "strategy.activation_checkpointing": (BOOL | choice("full", "selective")).note(
-        "true = full: each block recomputed; selective: matmul outputs kept, the rest recomputed"),
+    "strategy.activation_checkpointing": (BOOL | choice("full", "selective") | integer(1)).note(
+        "true = full: each block recomputed; selective: matmul outputs kept, the rest recomputed; k: every k-th block"),
     "strategy.sync_batchnorm": BOOL,
     "strategy.gradient_as_bucket_view": BOOL,
     "strategy.static_graph": BOOL,

@@ -437,7 +437,8 @@ class ShardedStrategy(ParStrategyMixin, DistributedCheckpointMixin, ModelParalle
     ``prepare_model`` (parallelize's order, ending with materialisation), then the optimizers.
 
     Args:
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
         sync_batchnorm: BatchNorm statistics over the data-parallel ranks (as ``Trainer(sync_batchnorm=True)``).

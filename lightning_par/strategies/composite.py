@@ -82,7 +82,8 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
         split_points: explicit cut: the first layer of every stage after the first (index into the
             model's declared layers, or its path).
         sequence_parallel / loss_parallel: tensor-parallel options (see ``parallel/tensor/tensor_parallel.py``).
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
         reshard_after_forward: FSDP: free gathered parameters after forward; None: True without a
             pipeline, False with one (else every micro-batch all-gathers them again).
         pipelined: run a pipeline schedule even when pp == 1 (the pipeline strategy on one device).

@@ -38,7 +38,8 @@ class DDPStrategy(ParStrategyMixin, DistributedCheckpointMixin, _LightningDDP):
         gradient_as_bucket_view: let ``.grad`` alias the communication buckets (saves one gradient copy).
         static_graph: the graph is the same every step (enables DDP's optimizations).
         find_unused_parameters: tolerate parameters that get no gradient (slower).
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
     """
 

@@ -43,7 +43,8 @@ class ExpertParallelStrategy(MeshParallelStrategy):
             ``fsdp`` (FSDP2: non-expert parameters sharded over the whole world, experts over dp,
             if dp > 1).
         reshard_after_forward: FSDP: free gathered parameters after forward.
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
     """
 
     strategy_name = "lp_expert_parallel"

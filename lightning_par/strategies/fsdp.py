@@ -55,7 +55,8 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
         cpu_offload: keep parameter shards, gradients and optimizer state in host memory; the
             optimizer step runs on the host.
         replicate: HSDP replica groups (1: plain FSDP); must divide the world size.
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         timeout: collective timeout (Lightning's default: 30 minutes).
         sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``), the

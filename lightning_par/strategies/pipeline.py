@@ -40,7 +40,8 @@ class PipelineStrategy(MeshParallelStrategy):
             model's ``parallel_plan().layers`` such as ``net.blocks.2``, or its index).
         pp: pipeline ranks; None: the world size. Fewer: data parallel (gradient averaging) over
             world / pp pipelines.
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
     """
 
     strategy_name = "lp_pipeline"

@@ -27,7 +27,8 @@ class SingleDeviceStrategy(ParStrategyMixin, DistributedCheckpointMixin, _Lightn
 
     Args:
         device: ``"auto"`` or a torch device string.
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
     """
 
     strategy_name = "lp_single"

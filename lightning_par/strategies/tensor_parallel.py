@@ -34,7 +34,8 @@ class TensorParallelStrategy(MeshParallelStrategy):
             averaging) over world / tp groups.
         sequence_parallel: shard LayerNorms and the activations between blocks on the sequence dim.
         loss_parallel: cross-entropy on vocabulary-sharded logits (needs the model's ``loss_fn``).
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
     """
 
     strategy_name = "lp_tensor_parallel"

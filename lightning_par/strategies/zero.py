@@ -85,7 +85,8 @@ class Zero2Strategy(ShardedStrategy):
     Only norm clipping exists.
 
     Args:
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         sync_batchnorm: BatchNorm statistics over all ranks (as ``Trainer(sync_batchnorm=True)``).
         bucket_cap_mb: gradients reduce-scattered together from backward (MB of parameters per bucket).
@@ -229,7 +230,8 @@ class Zero3Strategy(FSDPStrategy):
     one unit of prefetch.
 
     Args:
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
         param_dtype / reduce_dtype: FSDP mixed precision (``bf16``, ``fp16``, ``fp32`` or null): the
             sharded parameters stay in their dtype (the fp32 master copy), forward/backward compute
             in ``param_dtype``, gradients are reduced in ``reduce_dtype``. Or Lightning's
@@ -261,7 +263,8 @@ class Zero3OffloadStrategy(Zero3Strategy):
     it is gathered, a parameter's gradient while FSDP accumulates it, a chunk of the optimizer step.
 
     Args:
-        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls.
+        activation_checkpointing: true or "full" recomputes each block in backward, "selective" keeps matmuls,
+            k (an int) recomputes every k-th block.
         process_group_backend: None picks gloo on CPU and NCCL on CUDA.
         offload_dir: directory for the disk tier's files (created if missing; needs room for this
             node's ranks' parameters, gradients and optimizer state); None keeps them in host memory.

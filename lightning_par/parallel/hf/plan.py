@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -541,10 +542,11 @@ def hf_init_all(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
 # Activation checkpointing
 
 
-def hf_enable_checkpointing(model: nn.Module, mode: str = "full") -> bool:
+def hf_enable_checkpointing(model: nn.Module, mode: str | int = "full") -> bool:
     """Switch on the Hugging Face model's own activation checkpointing (non-reentrant) for every Hugging
     Face model inside ``model``, ``full`` or ``selective`` (``parallel/memory/checkpointing.py``'s policy,
-    handed to torch's checkpoint through transformers); False when there is none or it does not support it."""
+    handed to torch's checkpoint through transformers), or for k every k-th decoder layer by its index in the
+    whole model (the others switched off again); False when there is none or it does not support it."""
     found = find_hf_model(model)
     if found is None or not getattr(found[1], "supports_gradient_checkpointing", False):
         return False
@@ -558,4 +560,9 @@ def hf_enable_checkpointing(model: nn.Module, mode: str = "full") -> bool:
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if isinstance(mode, int):  # the layers' own switch, by the index in their path (a pipeline stage keeps full paths)
+        for path, layer in hf.named_modules():
+            index = re.search(r"(?:^|\.)(\d+)$", path)
+            if index and getattr(layer, "gradient_checkpointing", False) and int(index.group(1)) % mode:
+                layer.gradient_checkpointing = False
     return True

@@ -8,13 +8,17 @@
   attention's softmax) is recomputed. The matmuls are most of a block's FLOPs, the pointwise ops most of
   its saved bytes, so it keeps most of the memory saving for a small part of the recomputation.
 
-The strategies' ``activation_checkpointing`` option takes false, true (= full), ``full`` or
-``selective`` (``checkpointing_mode``).
+- ``k`` (an integer >= 2): every k-th block checkpointed whole (blocks 0, k, 2k, ... of the model,
+  torchtitan's layer-level selective checkpointing), the others keep everything: a k-th of full
+  checkpointing's recomputation for a part of its saving.
+
+The strategies' ``activation_checkpointing`` option takes false, true (= full), ``full``, ``selective``
+or ``k`` (``checkpointing_mode``; 1 is full).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import cache, partial
 from typing import Any
 
@@ -26,15 +30,38 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 MODES = ("full", "selective")
 
 
-def checkpointing_mode(value: Any) -> str | None:
-    """``activation_checkpointing``'s value as a mode: None (off), ``full`` or ``selective``; true is full."""
+def checkpointing_mode(value: Any) -> str | int | None:
+    """``activation_checkpointing``'s value as a mode: None (off), ``full``, ``selective`` or k >= 2 (every
+    k-th block whole); true and 1 are full."""
     if value is None or value is False or value == "false":
         return None
     if value is True or value == "true":
         return "full"
     if value in MODES:
         return str(value)
-    raise ValueError(f"activation_checkpointing must be false, true, full or selective, got {value!r}")
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return "full" if value == 1 else value
+    raise ValueError(f"activation_checkpointing must be false, true, full, selective or k >= 1 (every k-th block), "
+                     f"got {value!r}")
+
+
+def every_kth(blocks: Sequence[str], mode: str | int | None) -> list[str]:
+    """The blocks (the whole model's, in order) that ``mode`` checkpoints: all of them, or for k every k-th
+    (0, k, 2k, ...) -- chosen over the whole model, so a pipeline stage checkpoints its own of those."""
+    if not mode:
+        return []
+    return [b for i, b in enumerate(blocks) if i % mode == 0] if isinstance(mode, int) else list(blocks)
+
+
+def checkpointed_share(n_layers: int, mode: str | int | bool | None) -> float:
+    """The share of a model's ``n_layers`` blocks that ``mode`` checkpoints (0 off, 1 full / selective)."""
+    if not mode:
+        return 0.0
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        return -(-n_layers // mode) / n_layers if n_layers else 0.0
+    return 1.0
 
 
 @cache
