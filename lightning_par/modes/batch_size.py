@@ -98,8 +98,9 @@ def estimator_seed(cfg: DictConfig, model: Any, strategy: str, world: int, cap: 
     config = getattr(model, "config", None)
     precision = canonical_precision(cfg.trainer.get("precision", "32-true"))  # Lightning's short forms too
     optimizer = str(cfg.model.get("optimizer", "adamw"))
-    if config is not None and hasattr(config, "n_params"):
-        shape = Shape(config.n_layer, config.n_embd, config.n_head, config.vocab_size, int(model.seq_len))
+    # the model's own cost shape (its attention backend, dropout, chunked loss, experts): what mode=estimate prices
+    shape = Shape.of_model(model, int(model.seq_len)) if config is not None and hasattr(config, "n_params") else None
+    if shape is not None:
 
         def peak(micro: int) -> int:
             return estimate(config.n_params, devices=world, strategy=strategy, precision=precision,
