@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import math
@@ -204,6 +205,9 @@ def hf_trainer(s: Setup) -> Row:
                              optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=s.steps,
                              save_strategy="no", report_to=[], dataloader_num_workers=0, use_cpu=not cuda,
                              disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0)
+    if cuda:  # outside a distributed launch transformers spreads the batch over every visible GPU (DataParallel):
+        _ = args.device  # one GPU, as every other row (the same override transformers makes for model parallelism)
+        args._n_gpu = 1
     Trainer(model=net, args=args, train_dataset=rows, callbacks=[Timer()]).train()
     return _row("trainer", s, module, _median_after(times, s.warmup), losses[-1] if losses else None)
 
@@ -286,6 +290,14 @@ def advisor_step(s: Setup, measured: dict[str, Row]) -> dict[str, Any]:
             str(s.batch), "--global-batch", str(s.batch), "--precision", s.precision, "--no-checkpointing"]
     if gpu:
         argv += ["--gpu", gpu]
+    if s.device.type == "cuda":  # this device's own memory and peak (a class's are nominal; an unknown one has none)
+        from lightning_par.callbacks.throughput import precision_dtype
+        from lightning_par.core.devices import peak_flops_per_device
+
+        argv += ["--device-memory", f"{torch.cuda.get_device_properties(s.device).total_memory / 2**30:.2f}"]
+        peak = peak_flops_per_device(s.device, precision_dtype(s.precision))
+        if peak:
+            argv += ["--peak-tflops", f"{peak / 1e12:g}"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         advice = advise(argv)
@@ -335,8 +347,10 @@ def setup(args: argparse.Namespace) -> Setup:
                      compile_kwargs={"backend": "eager"}, out=args.out)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py: no CUDA device (use --dry for the CPU check of the code path)")
+    # offload rows: two windows after the warm-up, so their step time is a median, not one step
     return Setup(torch.device("cuda:0"), args.model, args.batch, args.seq_len, "bf16-mixed", args.steps,
-                 args.warmup, args.window, "gpt2_medium", 8, 1024, offload_steps=6, out=args.out)
+                 args.warmup, args.window, "gpt2_medium", 8, 1024, offload_steps=args.warmup + 2 * args.window,
+                 out=args.out)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -363,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[Row] = []
     started = time.perf_counter()
     for name in args.rows.split(","):
+        gc.collect()  # an earlier row's trainer and model (reference cycles) must not count in this row's peak
         if s.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(s.device)
@@ -380,18 +395,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         rows.append(row)
     by = {r.name: r for r in rows if not r.error}
-    est = estimates(s, by)
-    adv = advisor_step(s, by)
+    failed: dict[str, str] = {}
+    est: list[dict[str, Any]] = []
+    adv: dict[str, Any] | None = None
+    try:
+        est = estimates(s, by)
+    except (Exception, SystemExit) as e:  # reported, and the tables still written
+        failed["estimates"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        adv = advisor_step(s, by)
+    except (Exception, SystemExit) as e:
+        failed["advisor"] = f"{type(e).__name__}: {e}"[:300]
     result = {"env": env, "setup": {k: str(v) for k, v in asdict(s).items()}, "rows": [asdict(r) for r in rows],
-              "estimates": est, "advisor": adv, "seconds": time.perf_counter() - started}
+              "estimates": est, "advisor": adv, "failed": failed, "seconds": time.perf_counter() - started}
     (args.out / "bench_gpu.json").write_text(json.dumps(result, indent=1))
-    table = markdown(s, rows, est, adv, env)
+    table = markdown(s, rows, est, adv, env) + "".join(f"\n{k} failed: {v}\n" for k, v in failed.items())
     (args.out / "bench_gpu.md").write_text(table)
     print(table)
     return result
 
 
 if __name__ == "__main__":
-    failed = [r["name"] for r in main()["rows"] if r["error"]]
+    result = main()
+    failed = [r["name"] for r in result["rows"] if r["error"]] + list(result["failed"])
     if failed:
         sys.exit(f"bench_gpu.py: rows failed: {', '.join(failed)} (see the table)")

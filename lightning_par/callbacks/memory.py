@@ -129,6 +129,7 @@ class MemoryMonitor(L.Callback):
     def __init__(self, measure_at_step: int = 1) -> None:
         self.measure_at_step = measure_at_step
         self._states: dict[str, int] | None = None
+        self._at_step = False  # ``_states`` is ``measure_at_step``'s (not an earlier step's)
         self._setup: dict[str, int | None] = {}
         self._rss_before: int | None = None
         self._peak_allocated: int | None = None
@@ -144,7 +145,7 @@ class MemoryMonitor(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the strategy's setup (build, shard, materialise) is over and no step has run: what a rank
         # needs just to hold its part of the model
-        self._states = None
+        self._states, self._at_step = None, False
         self._peak_allocated = None
         self.per_rank = []
         self._setup = {"setup_peak_rss": peak_rss_bytes(), "setup_peak_allocated": None}
@@ -153,8 +154,11 @@ class MemoryMonitor(L.Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if self._states is None and trainer.global_step >= self.measure_at_step:
+        # every step before ``measure_at_step`` is measured too, and replaced: a run too short to reach it
+        # keeps its last step's (the gradients are freed right after each step, so after training there are none)
+        if self._states is None or not self._at_step:
             self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
+            self._at_step = trainer.global_step >= self.measure_at_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # before teardown: Lightning's teardown moves single-device and DDP modules back to the CPU,
@@ -164,7 +168,7 @@ class MemoryMonitor(L.Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             self._peak_allocated = int(torch.cuda.max_memory_allocated(device))
-        if self._states is None:  # too few steps: measure what is held now (still on the device)
+        if self._states is None:  # no optimizer step at all: measure what is held now (still on the device)
             self._states = measure_model_states(trainer.strategy, pl_module, trainer.optimizers)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

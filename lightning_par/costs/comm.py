@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_par.costs.shape import Shape
+from lightning_par.parallel.memory.checkpointing import recomputed_moe_layers
 from lightning_par.strategies.catalog import entry
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
@@ -461,11 +462,8 @@ def _expert_parallel(out: dict, shape: CommShape | None, P: int, experts: int, e
         # a recomputed forward exchanges its rows and counts once more (full or selective checkpointing: the
         # all-to-all is not a matmul, so selective recomputes it too)
         forward = rows * shape.hidden * (b + act_b) + 8 * shape.n_experts
-        # every k-th block checkpointed: the MoE blocks among blocks 0, k, 2k, ... (block i routes when
-        # (i + 1) % moe_every == 0) exchange once more
-        every = shape.shape.moe_every
-        again = (sum(1 for i in range(0, shape.layers, recompute) if (i + 1) % every == 0)
-                 if type(recompute) is int and recompute >= 2 else shape.moe_layers * bool(recompute))
+        # (every k-th block checkpointed: only the MoE blocks among them)
+        again = recomputed_moe_layers(shape.layers, shape.shape.moe_every, recompute) if shape.moe_layers else 0
         _add(out, "all_to_all", "ep", shape.moe_layers * (2 * forward - 8 * shape.n_experts) + again * forward)
     # the non-expert parameters' group: every data rank (strategies/expert_parallel.py flattens the
     # data axes into one mesh); named ``world`` like callbacks/comm.py names a group of every rank

@@ -90,8 +90,11 @@ def measured_efficiency(gpu: str, params: float) -> Efficiency:
 
 
 def gpu_class(device_name: str) -> str | None:
-    """The ``GPUS`` key of a device as ``torch.cuda.get_device_name`` names it, or None."""
+    """The ``GPUS`` key of a device as ``torch.cuda.get_device_name`` names it, or None -- also for the
+    variants the table does not list (GH200, the NVL cards, a 40 GB A100), whose memory or peak differ."""
     name = device_name.lower()
+    if any(word in name for word in ("gh200", "nvl", "40gb")):
+        return None
     for key in ("h100-pcie", "h100", "h200", "a100", "l40s", "b200"):
         words = key.split("-")
         if all(w in name for w in words):

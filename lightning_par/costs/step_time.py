@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from lightning_par.costs import comm as comm_model
 from lightning_par.costs.shape import Shape
-from lightning_par.parallel.memory.checkpointing import checkpointed_share
+from lightning_par.parallel.memory.checkpointing import checkpointed_share, recomputed_moe_layers
 
 #: the collective kinds each traffic model (``StrategyEntry.comm``) runs beside compute, on data axes
 #: (tensor-parallel and pipeline traffic is on the critical path whatever its kind)
@@ -210,7 +210,8 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
     if tp > 1:
         calls += forwards * ((2 + shape.colwise_inputs) * shape.n_layer // pp + 2)  # GPT: 6 per layer
     if int(mesh.get("ep", 1)) > 1:
-        calls += forwards * shape.n_moe_layers * (6 if recompute else 4)
+        calls += forwards * (4 * shape.n_moe_layers
+                             + 2 * recomputed_moe_layers(shape.n_layer, shape.moe_every, recompute))
     if pp > 1:
         calls += 2 * forwards * virtual_stages
     calls += (1 - device.overlap) * data_parallel_calls(traffic, shape, mesh, forwards)

@@ -55,6 +55,16 @@ def every_kth(blocks: Sequence[str], mode: str | int | None) -> list[str]:
     return [b for i, b in enumerate(blocks) if i % mode == 0] if isinstance(mode, int) else list(blocks)
 
 
+def recomputed_moe_layers(n_layers: int, moe_every: int, mode: str | int | bool | None) -> int:
+    """Routed MoE blocks (block i when (i + 1) % moe_every == 0) whose forward ``mode`` recomputes: every one
+    under full or selective checkpointing (an all-to-all is not a matmul: selective recomputes it), those among
+    blocks 0, k, 2k, ... for k."""
+    if not mode:
+        return 0
+    picked = range(0, n_layers, mode) if type(mode) is int and mode >= 2 else range(n_layers)
+    return sum(1 for i in picked if (i + 1) % moe_every == 0)
+
+
 def checkpointed_share(n_layers: int, mode: str | int | bool | None) -> float:
     """The share of a model's ``n_layers`` blocks that ``mode`` checkpoints (0 off, 1 full / selective)."""
     if not mode:
