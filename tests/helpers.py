@@ -135,3 +135,33 @@ def tiny_causal_lm(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     return meta, model
+
+
+def saved_bytes_of_layer(net: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, precision: str) -> int:
+    """Bytes of the tensors autograd first saves inside ``layer`` during a forward and cross-entropy of ``net``
+    on tokens ``x`` (each storage once; parameters and what earlier layers saved -- RoPE's shared cos/sin --
+    left out, autocast's weight copies in), counted with ``saved_tensors_hooks``."""
+    from contextlib import nullcontext
+
+    from lightning_par.models.module import cross_entropy
+
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    seen: dict[int, tuple[bool, int]] = {}  # storage -> (first saved inside the layer, bytes)
+    inside = [False]
+    hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+             layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), (inside[0], storage.nbytes()))
+        return t
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+            cross_entropy(net(x), x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(n for mine, n in seen.values() if mine)

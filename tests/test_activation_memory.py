@@ -20,7 +20,7 @@ from lightning_par.costs.shape import Shape
 from lightning_par.costs.estimate import estimate
 from lightning_par.models.gpt import GPT
 from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing, checkpointing_mode, every_kth
-from tests.helpers import memtracker_step_peak
+from tests.helpers import memtracker_step_peak, saved_bytes_of_layer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,34 +131,6 @@ def test_hf_estimate_peak_within_10_percent_of_memtracker(case):
     got = memtracker_step_peak(hf_net(shape, ckpt), V, B, T, precision)
     assert abs(est.peak - got) <= HF_TOLERANCE * got, (
         f"{case}: estimated peak {est.peak:,} B ({est.moment}), MemTracker {got:,} B, ratio {est.peak / got:.3f}")
-
-
-def saved_bytes_of_layer(net: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, precision: str) -> int:
-    """Bytes of the tensors autograd first saves inside ``layer`` during a forward (each storage once;
-    parameters and what earlier layers saved -- RoPE's shared cos/sin -- left out, autocast's weight
-    copies in), counted with ``saved_tensors_hooks``."""
-    from contextlib import nullcontext
-
-    from lightning_par.models.module import cross_entropy
-
-    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
-    seen: dict[int, tuple[bool, int]] = {}  # storage -> (first saved inside the layer, bytes)
-    inside = [False]
-    hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-             layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen.setdefault(storage.data_ptr(), (inside[0], storage.nbytes()))
-        return t
-
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        cross_entropy(net(x), x)
-    for hook in hooks:
-        hook.remove()
-    return sum(n for mine, n in seen.values() if mine)
 
 
 @pytest.mark.parametrize("arch,kv,precision", [("llama", 2, "32-true"), ("llama", 2, "bf16-mixed"),

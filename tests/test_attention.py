@@ -13,7 +13,6 @@ for sdpa); eager and sdpa_math: the loss equal, the gradients 4.7e-7 apart, the 
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from lightning_par.models.attention import (BACKENDS, CPU_NAMES, HF_KEYS, NAMES,
                                             name_of_hf_key)
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.models.module import GPTModule, cross_entropy
+from tests.helpers import saved_bytes_of_layer
 
 RTOL, ATOL = 1e-5, 1e-6
 FLASH_CPU = "aten._scaled_dot_product_flash_attention_for_cpu"
@@ -232,31 +232,6 @@ def test_the_app_refuses_before_launch(tmp_path):
 
 
 # --------------------------------------------------------------------------- costs
-def saved_bytes(net: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, precision: str) -> int:
-    """Bytes of the tensors autograd first saves inside ``layer`` during a forward (each storage once, parameters
-    left out), counted with ``saved_tensors_hooks``."""
-    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
-    seen: dict[int, tuple[bool, int]] = {}
-    inside = [False]
-    hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-             layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen.setdefault(storage.data_ptr(), (inside[0], storage.nbytes()))
-        return t
-
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-            cross_entropy(net(x), x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return sum(n for mine, n in seen.values() if mine)
-
-
 def rule(name: str, precision: str, *, h: int, a: int, kv: int, s: int, dropout: float = 0.0,
          gpt2: bool = False) -> float:
     """What ``name`` saves per token and layer beyond the fused kernel (which keeps q, k and v at their width, the
@@ -293,7 +268,7 @@ def test_gpt_estimator_adds_the_measured_scores_bytes(precision, dropout):
             net = net.to(torch.bfloat16)
         shape = Shape.of_gpt(cfg, T)
         est = estimate(shape, devices=1, strategy="single", precision=precision, micro_batch_size=B, device="cpu")
-        return (saved_bytes(net, net.blocks[1], x, precision), layer_bytes_per_token(shape, precision, device="cpu"),
+        return (saved_bytes_of_layer(net, net.blocks[1], x, precision), layer_bytes_per_token(shape, precision, device="cpu"),
                 est.activations)
 
     base_name = "sdpa_math" if dropout else "sdpa"
@@ -334,7 +309,7 @@ def test_hf_estimator_matches_saved_bytes_for_eager_and_math(arch, kv, precision
         if precision == "bf16-true":
             net = net.to(torch.bfloat16)
         layers = net.net.model.layers if arch != "gpt2" else net.net.transformer.h
-        return saved_bytes(net, layers[1], x, precision), layer_bytes_per_token(Shape.of_hf(cfg, T), precision,
+        return saved_bytes_of_layer(net, layers[1], x, precision), layer_bytes_per_token(Shape.of_hf(cfg, T), precision,
                                                                               device="cpu")
 
     base = measured("sdpa")

@@ -23,20 +23,28 @@ from dataclasses import dataclass
 class GPU:
     """A device class the advisor can be told (``--gpu``): datasheet figures, without sparsity."""
 
-    name: str
+    name: str  #: as torch names the device: its dense peak is read from ``core/devices.DENSE_PEAKS``
     family: str  #: the chip generation whose measured runs apply
-    peak_tflops: float  #: dense bf16
     memory_gib: float  #: what one device holds
     float8_tflops: float | None  #: dense float8; None: no float8 matmuls (before compute capability 8.9)
 
+    @property
+    def peak_tflops(self) -> float:
+        """Dense bf16 TFLOP/s: the MFU table's own figure, so the advisor and a run's MFU share one peak."""
+        import torch
+
+        from lightning_par.core.devices import dense_peak_flops
+
+        return dense_peak_flops(self.name, torch.bfloat16) / 1e12
+
 
 GPUS: dict[str, GPU] = {
-    "h100": GPU("NVIDIA H100 SXM 80GB", "hopper", 989.0, 80.0, 1979.0),
-    "h100-pcie": GPU("NVIDIA H100 PCIe 80GB", "hopper", 756.0, 80.0, 1513.0),
-    "h200": GPU("NVIDIA H200 141GB", "hopper", 989.0, 139.0, 1979.0),
-    "a100": GPU("NVIDIA A100 80GB", "ampere", 312.0, 80.0, None),
-    "l40s": GPU("NVIDIA L40S 48GB", "ada", 362.0, 48.0, 733.0),
-    "b200": GPU("NVIDIA B200", "blackwell", 2250.0, 180.0, 4500.0),
+    "h100": GPU("NVIDIA H100 SXM 80GB", "hopper", 80.0, 1979.0),
+    "h100-pcie": GPU("NVIDIA H100 PCIe 80GB", "hopper", 80.0, 1513.0),
+    "h200": GPU("NVIDIA H200 141GB", "hopper", 139.0, 1979.0),
+    "a100": GPU("NVIDIA A100 80GB", "ampere", 80.0, None),
+    "l40s": GPU("NVIDIA L40S 48GB", "ada", 48.0, 733.0),
+    "b200": GPU("NVIDIA B200", "blackwell", 180.0, 4500.0),
 }
 DEFAULT_GPU = "h100"
 

@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import lightning as L
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
@@ -391,8 +392,6 @@ def free_gradients_after_step(module: Any, optimizer: Any) -> None:
     a 1.2B Llama peaked 2.65 GiB (6%) above a plain loop for that reason. Lightning's own call then
     finds nothing to free. Left to Lightning where the module zeroes gradients its own way (an
     ``optimizer_zero_grad`` override) or steps by hand (manual optimization)."""
-    import lightning as L
-
     if module is None or not module.automatic_optimization:
         return
     if type(module).optimizer_zero_grad is not L.LightningModule.optimizer_zero_grad:
