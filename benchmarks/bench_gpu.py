@@ -153,7 +153,9 @@ def plain_loop(s: Setup) -> Row:
     torch.manual_seed(0)
     net = module.build_hf(s.device)  # the transformers model itself, as the app's run trains it
     fused = {"fused": True} if s.device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-4, betas=(0.9, 0.95), **fused)
+    # the app's optimizer settings for this model (its lr, betas, weight decay; constant schedule)
+    opt = torch.optim.AdamW(net.parameters(), lr=module.lr, betas=tuple(module.betas),
+                            weight_decay=module.weight_decay, **fused)
     autocast = (torch.autocast(s.device.type, dtype=torch.bfloat16) if s.precision == "bf16-mixed"
                 else contextlib.nullcontext())
     loader = _data(s, module.hf_config.vocab_size, s.batch, s.seq_len, s.steps).train_dataloader()
@@ -201,7 +203,9 @@ def hf_trainer(s: Setup) -> Row:
 
     cuda = s.device.type == "cuda"
     args = TrainingArguments(output_dir=str(s.out / "trainer"), per_device_train_batch_size=s.batch,
-                             max_steps=s.steps, learning_rate=3e-4, adam_beta2=0.95, bf16=s.precision == "bf16-mixed",
+                             max_steps=s.steps, learning_rate=module.lr, adam_beta1=module.betas[0],
+                             adam_beta2=module.betas[1], weight_decay=module.weight_decay, max_grad_norm=0.0,
+                             bf16=s.precision == "bf16-mixed",
                              optim="adamw_torch_fused" if cuda else "adamw_torch", logging_steps=s.steps,
                              save_strategy="no", report_to=[], dataloader_num_workers=0, use_cpu=not cuda,
                              disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0)
@@ -364,6 +368,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--window", type=int, default=5, help="steps per device synchronisation (plain loop, Trainer)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no further row after this many seconds (the estimates, advisor and tables still come)")
     args = p.parse_args(argv)
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
     if unknown:
@@ -377,6 +383,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[Row] = []
     started = time.perf_counter()
     for name in args.rows.split(","):
+        if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+            rows.append(Row(name, error=f"not run: past --budget-s {args.budget_s:g}"))
+            continue
         gc.collect()  # an earlier row's trainer and model (reference cycles) must not count in this row's peak
         if s.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -391,9 +400,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row = app_row(s, name, {**APP_ROWS, **OFFLOAD_ROWS}[name])
         except (Exception, SystemExit) as e:  # a failed row is reported in the table; the others still run
             row = Row(name, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-        print(f"bench_gpu: {name}: {row.step_s and 1000 * row.step_s} ms/step, error {row.error} "
-              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        print(f"bench_gpu: {name}: {json.dumps(asdict(row))} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+              flush=True)
         rows.append(row)
+        # what was measured so far survives a run stopped from outside (a device lease's time limit)
+        (args.out / "bench_gpu_rows.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     by = {r.name: r for r in rows if not r.error}
     failed: dict[str, str] = {}
     est: list[dict[str, Any]] = []
