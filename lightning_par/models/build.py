@@ -13,7 +13,14 @@ from typing import Any
 RUN_OPTIONS = ("float8",)
 #: constructor arguments the app merges under every model at their off value (``chunked_loss``: ``ParModule``'s):
 #: passed on only when set, so a model without that argument builds as long as it stays off
-MERGED_ARGUMENTS = {"chunked_loss": False}
+MERGED_ARGUMENTS = {"chunked_loss": False, "lora": {"rank": 0}}
+
+
+def _off(key: str, value: Any) -> bool:
+    off = MERGED_ARGUMENTS[key]
+    if isinstance(off, dict):  # a mapping is off when its listed keys are (lora: rank 0)
+        return value is None or all(value.get(k) == v for k, v in off.items())
+    return value == off
 
 
 def constructor_config(model_cfg: Any) -> Any:
@@ -24,7 +31,7 @@ def constructor_config(model_cfg: Any) -> Any:
     if not isinstance(model_cfg, DictConfig):
         return model_cfg
     dropped = [k for k in RUN_OPTIONS if k in model_cfg]
-    dropped += [k for k, off in MERGED_ARGUMENTS.items() if k in model_cfg and model_cfg[k] == off]
+    dropped += [k for k, off in MERGED_ARGUMENTS.items() if k in model_cfg and _off(k, model_cfg[k])]
     if not dropped:
         return model_cfg
     rest = copy.deepcopy(model_cfg)

@@ -31,6 +31,7 @@ from lightning_par.models.gpt import GPT, PRESETS, GPTConfig
 from lightning_par.models.mlp import MLPNet
 from lightning_par.core.optim import (OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler, schedule_config,
                                  scaled_lr)
+from lightning_par.parallel.adapters.lora import apply_lora, lora_option
 from lightning_par.parallel.contract import ParallelPlan
 from lightning_par.parallel.memory.chunked_loss import chunked_head, chunked_loss_option, make_chunked
 
@@ -54,12 +55,18 @@ class ParModule(L.LightningModule):
         scheduler: dict[str, Any] | ScheduleConfig | None = None,
         global_batch_size: int | None = None,
         chunked_loss: bool | int = False,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         OptimizerConfig(optimizer)  # unknown names (and adamw8bit without torchao) fail here, in one line
         try:
             #: the head and the loss a chunk of tokens at a time (``parallel/memory/chunked_loss.py``; None: off)
             self.chunked_loss = chunked_loss_option(chunked_loss)
+        except ValueError as e:
+            raise ConfigError(f"model.{e}") from None
+        try:
+            #: low-rank adapters on the frozen model (``parallel/adapters/lora.py``; None: full fine-tuning)
+            self.lora = lora_option(lora)
         except ValueError as e:
             raise ConfigError(f"model.{e}") from None
         if self.chunked_loss is not None and self.input_kind != "tokens":
@@ -99,7 +106,19 @@ class ParModule(L.LightningModule):
         """Build the architecture once, on whatever device is current (the meta device under
         lightning_par's strategies; real tensors under Lightning's own)."""
         if self.net is None:
-            self.net = self.chunk_head(self.build_net(device=None))
+            self.net = self.chunk_head(self.adapt(self.build_net(device=None)))
+
+    def adapt(self, net: nn.Module) -> nn.Module:
+        """``net`` with LoRA adapters on its target linears and the rest frozen, when ``lora`` is on (the
+        output layer is never adapted)."""
+        if self.lora is not None:
+            getter = getattr(net, "get_output_embeddings", None)
+            head = getter() if callable(getter) else None
+            try:
+                apply_lora(net, self.lora, exclude=[head] if head is not None else [])
+            except ValueError as e:
+                raise ConfigError(f"model.{e}") from None
+        return net
 
     def chunk_head(self, net: nn.Module) -> nn.Module:
         """``net`` with its output layer (``get_output_embeddings()``) made a chunked head when ``chunked_loss``

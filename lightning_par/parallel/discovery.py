@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from lightning_par.parallel.adapters.lora import lora_layers, with_lora_init
 from lightning_par.parallel.contract import InitsWeights, ParallelPlan, declared_plan
 from lightning_par.parallel.sharding.fsdp import resolve_units
 from lightning_par.parallel.hf.experts import install as install_hf_experts
@@ -138,7 +139,13 @@ def init_groups(module: nn.Module, blocks: tuple[str, ...] | list[str]) -> list[
 
 def init_fn_of(module: nn.Module) -> Callable[[nn.Module], None] | None:
     """How to initialise one submodule's own tensors: the model's ``init_weights`` (contract), a
-    Hugging Face model's own init, or None (each submodule's ``reset_parameters()``)."""
+    Hugging Face model's own init, or None (each submodule's ``reset_parameters()``); with LoRA adapters,
+    that rule for the base and the adapters' own start (``adapters/lora.with_lora_init``)."""
+    init = _model_init_fn(module)
+    return with_lora_init(init) if lora_layers(module) else init
+
+
+def _model_init_fn(module: nn.Module) -> Callable[[nn.Module], None] | None:
     if isinstance(module, InitsWeights):
         return module.init_weights
     found = find_hf_model(module)

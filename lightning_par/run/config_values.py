@@ -242,6 +242,16 @@ TABLE: dict[str, Spec] = {
         "float8 matmuls in the linear layers (torchao; emulated on CPU)"),
     "model.chunked_loss": (exactly(False, "false") | exactly(True, "true") | POSITIVE).note(
         "the output layer and cross-entropy a chunk of tokens at a time (true: 1024 tokens)"),
+    "model.lora.rank": NON_NEGATIVE.note("LoRA's rank (0: full fine-tuning)"),
+    "model.lora.alpha": number(0, lo_open=True).note("LoRA's scale numerator (update x alpha / rank)"),
+    "model.lora.targets": (exactly("default") | Spec(lambda v: isinstance(v, (list, tuple, ListConfig)) and len(v) > 0
+                                                      and all(isinstance(t, str) for t in v),
+                                                      "a non-empty list of layer names")).note(
+        "the linears to adapt (last path component or a pattern)"),
+    "model.lora.dropout": FRACTION,
+    "model.lora.base": choice("none", "nf4").note("the frozen base's storage (nf4: QLoRA)"),
+    "model.lora.train": Spec(lambda v: isinstance(v, (list, tuple, ListConfig)) and all(isinstance(t, str) for t in v),
+                             "a list of module names").note("modules trained whole beside the adapters"),
     "model.weight_decay": number(0),
     "model.betas": number_list(2, 0, 1, hi_open=True).note("Adam's beta1, beta2"),
     "model.momentum": number(0, 1, hi_open=True).note("SGD's"),

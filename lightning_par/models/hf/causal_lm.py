@@ -216,7 +216,7 @@ class HFCausalLM(ParModule):
         if getattr(self, "net", None) is not None:
             return
         device = _current_device()
-        self.net = self.chunk_head(self.build_hf(device))
+        self.net = self.chunk_head(self.adapt(self.build_hf(device)))
 
     @property
     def built(self) -> bool:

@@ -56,6 +56,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from lightning_par.parallel.adapters.lora import LoRALinear, lora_placements
 from lightning_par.parallel.init.ties import retie, tied_parameters
 from lightning_par.parallel.memory.chunked_loss import ChunkedHead, ShardVocab
 from lightning_par.parallel.precision.float8 import float8_tp_style
@@ -175,6 +176,32 @@ class OwnedRowwiseParallel(RowwiseParallel):
         return out.clone() if use_local_output and not isinstance(out, DTensor) else out
 
 
+def _lora_partition(kind: str, src_data_rank: int | None, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Split a LoRA layer's own parameters and its adapters' (``lora.lora_placements``). torch's styles take
+    ``module.named_parameters()`` recursively and register the dotted names (``lora_A.weight``) on the layer,
+    which ``nn.Module`` refuses, and would split both adapters like the base weight."""
+    for p_name, param in list(module.named_parameters(recurse=False)):
+        placements = lora_placements(module, p_name, kind)
+        if placements is None or isinstance(param, DTensor):
+            continue
+        dt = distribute_tensor(param, mesh, placements, src_data_rank=src_data_rank)
+        module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class LoRAColwiseParallel(ColwiseParallel):
+    """``colwise`` on a LoRA layer: ``W`` and ``B`` split by output rows, ``A`` replicated."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):  # noqa: ANN001, ANN202
+        _lora_partition("colwise", self.src_data_rank, name, module, device_mesh)
+
+
+class LoRARowwiseParallel(OwnedRowwiseParallel):
+    """``rowwise`` on a LoRA layer: ``W`` and ``A`` split by input columns, ``B`` and the bias replicated."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):  # noqa: ANN001, ANN202
+        _lora_partition("rowwise", self.src_data_rank, name, module, device_mesh)
+
+
 def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None = None) -> ParallelStyle | ShardVocab | None:
     seq = Shard(1)  # (B, T, C): the sequence dim
     base, arg = parse_style(name)
@@ -186,6 +213,11 @@ def _style(name: str, *, sp: bool, loss_parallel: bool, module: nn.Module | None
             raise ValueError(f"tensor-parallel style {name!r} does not run under sequence parallelism; "
                              "set sequence_parallel=false")
         return LocalParallel(base, arg)
+    if isinstance(module, LoRALinear) and name not in ("colwise", "rowwise", "replicate"):
+        raise ValueError(f"lora: a tensor-parallel {name!r} layer cannot carry adapters; leave it out of lora.targets")
+    if isinstance(module, LoRALinear) and name in ("colwise", "rowwise"):
+        return (LoRAColwiseParallel() if name == "colwise"
+                else LoRARowwiseParallel(output_layouts=seq) if sp else LoRARowwiseParallel())
     if module is not None and (f8 := float8_tp_style(name, module, output_layouts=seq if sp else None)) is not None:
         return f8  # a float8 layer (model.float8=tensorwise): torchao's styles, its gathers in float8
     if name == "colwise":
