@@ -93,7 +93,9 @@ class ActivationMeter:
         self._handles: list[Any] = []
 
     def attach(self, module: nn.Module) -> ActivationMeter:
-        self._params |= {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
+        from lightning_par.callbacks.memory import stored_tensors  # NF4 (QLoRA): the storages inside the subclass
+
+        self._params |= {t.untyped_storage().data_ptr() for t in stored_tensors(_local(p) for p in module.parameters())}
         contexts: list[Any] = []
 
         def enter(mod: nn.Module, args: Any) -> None:

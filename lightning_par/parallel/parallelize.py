@@ -49,7 +49,8 @@ from lightning_par.parallel.discovery import ResolvedPlan, init_groups
 from lightning_par.parallel.tensor.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_par.parallel.sharding.fsdp import apply_fsdp, resolve_units
 from lightning_par.parallel.init.init_trace import InitTrace, tensor_refs
-from lightning_par.parallel.init.materialize import InitFn, capture_templates, has_meta_tensors, materialize
+from lightning_par.parallel.adapters.lora import quantize_bases
+from lightning_par.parallel.init.materialize import InitFn, canonical_name, capture_templates, has_meta_tensors, materialize
 from lightning_par.parallel.init.weights import weight_sources
 from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
 from lightning_par.parallel.memory.tiling import apply_tiling, check_tiling, with_tied_partners
@@ -119,6 +120,8 @@ class Techniques:
     #: "blocks": each block compiled in place; "model": each stage whole, and the model's loss
     compile_scope: str = "blocks"
     fully_shard: FullyShard | None = None
+    #: quantize base: "nf4" stores each LoRA layer's frozen weight in torchao's NF4 (QLoRA) as it is materialised
+    quantize_base: str | None = None
 
 
 def _blocks_in(module: nn.Module, root: nn.Module, blocks: Sequence[str]) -> list[str]:
@@ -222,15 +225,26 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                        prefetch=fs.prefetch, ignored_params=ignored, pin_memory=fs.disk_tier is None, in_root=head,
                        root_reshard_after_forward=False if head is not None else None)
     tier = spec.fully_shard.disk_tier if spec.fully_shard is not None else None
+    quantize = spec.quantize_base == "nf4"
     if templates is not None:                                                            # materialise
         offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload
+        groups = list(templates)
+
+        def after_group(path: str) -> None:
+            if tier is not None:  # the disk tier hands the group's written pages back
+                tier.release()
+            if quantize:  # quantize base: this group's LoRA layers, now filled, to NF4 (its fp32 copy freed)
+                quantize_bases(module, path, others=groups, canonical=canonical_name)
+
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn,
                         param_device=torch.device("cpu") if offload else None, trace=spec.init_trace, refs=refs,
                         weights=weights, home=tier.home_parameters if tier is not None else None,
-                        after_group=tier.release if tier is not None else None)
+                        after_group=after_group if tier is not None or quantize else None)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
     elif tier is not None:  # a model built with real tensors: its shards are copied into the files
         tier.home_parameters(module, copy=True)
+    if quantize:  # quantize base (a model built with real tensors: all at once; else what is left, if any)
+        log.info("quantize base: %d LoRA base weights stored in NF4", quantize_bases(module, canonical=canonical_name))
     if tier is not None:
         tier.attach(module)
     return stages

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from lightning_par import ConfigError
+from lightning_par.parallel.adapters.lora import check_nf4_available
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
 from lightning_par.parallel.hf.save import install_sharded_save
 from lightning_par.parallel.init.init_trace import InitTrace
@@ -207,6 +208,7 @@ class ParStrategyMixin:
                 raise ValueError(f"activation_checkpointing=selective cannot checkpoint a block whose layers are tiled "
                                  f"(strategy.tiling: {inside[0]}, ...): use activation_checkpointing=true")
         self.check_float8(module, world_size)
+        self.check_lora(module, world_size)
         if self.activation_checkpointing and not resolve_plan(module).plan.blocks:
             raise ValueError(f"{type(self).__name__}: activation_checkpointing found no blocks in "
                              f"{type(module).__name__} (no declared plan, no repeated children, no large submodule)")
@@ -300,6 +302,28 @@ class ParStrategyMixin:
         fields: ``cut``, ``tensor_parallel``, ``fully_shard``); none by default."""
         return {}
 
+    def check_lora(self, module: nn.Module, world_size: int) -> None:
+        """``model.lora`` with what this strategy and its options can run, else one line: QLoRA's NF4 base is
+        not sharded (FSDP, ZeRO-3, tensor parallel split the weights it stores in 4 bits) nor combined with float8."""
+        lora = getattr(module, "lora", None)
+        if lora is None:
+            return
+        if float8_option(self.float8):
+            raise ValueError("model.lora with model.float8: float8 would replace the adapted layers; turn one off")
+        if lora.base != "nf4":
+            return
+        check_nf4_available()
+        split = self.weight_splits(world_size)
+        if split:
+            raise ValueError(f"model.lora.base=nf4 (QLoRA) runs on strategies that keep the frozen base whole on each "
+                             f"rank (single, ddp, zero1, zero2, pipeline); {self.strategy_name} applies "
+                             f"{' and '.join(split)}, which NF4 weights do not take here yet")
+
+    def weight_splits(self, world_size: int) -> list[str]:
+        """The techniques by which this strategy splits a weight over ranks at ``world_size`` (``fully_shard``,
+        ``tensor_parallel``), asked before launch; none by default."""
+        return []
+
     def prepare_model(self, module: nn.Module) -> list[nn.Module]:
         """Check the model, then apply every technique in ``parallelize``'s one order (the first thing
         ``setup`` does; Lightning's DDP wrapping and the optimizers come after). Returns this rank's
@@ -327,7 +351,9 @@ class ParStrategyMixin:
         spec = Techniques(device=self.root_device, plan=resolved, seed=seed, init_fn=init_fn_of(module),
                           init_trace=trace, activation_checkpointing=checkpointing_mode(self.activation_checkpointing),
                           own_checkpointing=checkpointing_fn_of(module), **compile_fields(self.compile),
-                          float8=self.float8_step(steps.get("fully_shard"), module, list(whole)), **steps)
+                          float8=self.float8_step(steps.get("fully_shard"), module, list(whole)),
+                          quantize_base=lora.base if (lora := getattr(module, "lora", None)) is not None else None,
+                          **steps)
         tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
         stages = parallelize(module, replace(spec, tiling=check_tiling(self.tiling, tp_plan)))
         # a Hugging Face model now sharded (DTensors) or cut: transformers' save_pretrained would fail or write

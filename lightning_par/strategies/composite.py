@@ -225,6 +225,11 @@ class MeshParallelStrategy(MeshPipelineMixin, PipelineLoopMixin, FSDPOptionsMixi
 
     # ---------------------------------------------------------------- applying techniques
     @override
+    def weight_splits(self, world_size: int) -> list[str]:
+        dims = self.dims_for(world_size)
+        return [name for name, on in (("fully_shard", dims.dp_shard > 1 or dims.ep > 1), ("tensor_parallel", dims.tp > 1))
+                if on]
+
     def techniques(self, module: nn.Module, resolved: ResolvedPlan) -> dict[str, Any]:
         dims, mesh = self.parallel_dims, self.device_mesh
         out: dict[str, Any] = {}

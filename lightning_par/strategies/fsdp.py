@@ -93,6 +93,9 @@ class FSDPStrategy(FSDPOptionsMixin, ShardedStrategy):
                              f"{world_size} (HSDP: world = replicate x shard)")
         return ParallelDims(dp_replicate=r, dp_shard=world_size // r) if r > 1 else ParallelDims(dp_shard=world_size)
 
+    def weight_splits(self, world_size: int) -> list[str]:
+        return ["fully_shard"]
+
     def validate_setup(self, world_size: int, module: nn.Module) -> None:
         super().validate_setup(world_size, module)
         self.fsdp_options.check(type(self).__name__)

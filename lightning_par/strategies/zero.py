@@ -156,10 +156,10 @@ class Zero2Strategy(ShardedStrategy):
         super().teardown()
 
     def model_state_tensors(self) -> dict[str, Any]:
-        """Full parameters (the flat buffer), the reduced gradient shard (the buckets staged during
-        backward are transient), the sharded optimizer state."""
+        """Full parameters (the flat buffer, and the frozen parameters outside it: a LoRA model's base), the
+        reduced gradient shard (the buckets staged during backward are transient), the sharded optimizer state."""
         zeros = [o for o in self.optimizers if isinstance(o, Zero2Optimizer)]
-        params = [z.flat for z in zeros]
+        params = [*(z.flat for z in zeros), *(p for p in self.lightning_module.parameters() if not p.requires_grad)]
         grads = [z.grad_shard for z in zeros]
         states = [t for z in zeros for s in z.inner.state.values() for t in s.values() if torch.is_tensor(t)]
         return {"params": iter(params), "grads": iter(grads), "optimizer_state": iter(states)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -109,7 +110,11 @@ class LoRALinear(nn.Linear):
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if _is_nf4(self.weight):  # QLoRA: torchao's matmul dequantizes the 4-bit weight (its backward: input grad only)
+            out = _linear_nf4(x, self.weight)
+            out = out + self.bias if self.bias is not None else out
+        else:
+            out = F.linear(x, self.weight, self.bias)
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         return out + self.lora_B(self.lora_A(h)) * self.scaling
 
@@ -177,6 +182,29 @@ def is_lora_parameter(name: str) -> bool:
     return ".lora_A." in f".{name}" or ".lora_B." in f".{name}"
 
 
+# a LoRA layer's keys in a state dict (the export's and the sharded save's; ``strategies/checkpoint/lora_export.py``)
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+
+
+def is_adapter_key(name: str) -> bool:
+    return name.endswith(_A) or name.endswith(_B)
+
+
+def adapter_keys(weight: str) -> tuple[str, str]:
+    """``<layer>.weight`` -> (``<layer>.lora_A.weight``, ``<layer>.lora_B.weight``)."""
+    layer = weight.removesuffix(".weight")
+    return layer + _A, layer + _B
+
+
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + scaling * B @ A`` in fp32, returned in ``W``'s dtype (``LoRALinear.merged_weight``'s arithmetic). A
+    QLoRA base (torchao's ``NF4Tensor``) is dequantized first: the merged model is a plain one."""
+    if callable(original := getattr(weight, "get_original_weight", None)):
+        weight = original()
+    delta = b.float() @ a.float()
+    return (weight.float() + scaling * delta).to(weight.dtype)
+
+
 def lora_layers(module: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(p, m) for p, m in module.named_modules() if isinstance(m, LoRALinear)]
 
@@ -218,3 +246,74 @@ def lora_placements(sub: nn.Module, name: str, kind: str) -> Sequence[object] | 
             return [Shard(0)]
         return [Shard(1)] if name == "weight" else [Replicate()]
     return None
+
+
+# ----------------------------------------------------------------------------- QLoRA: the frozen base in NF4
+def _nf4_module() -> Any:
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor
+
+
+def _is_nf4(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "NF4Tensor"
+
+
+def _linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _nf4_module().linear_nf4(x, weight)
+
+
+def check_nf4_available() -> None:
+    """``ValueError`` in one line when torchao (NF4) is missing."""
+    try:
+        _nf4_module()
+    except ImportError:
+        raise ValueError("lora.base=nf4 stores the base in torchao's NF4: pip install 'lightning_par[float8]'") from None
+
+
+NF4_BLOCK = 64  #: values per absmax scale (QLoRA's and torchao's block)
+NF4_SCALER_BLOCK = 256  #: scales per second-level scale (torchao's default), smaller where a weight has fewer
+
+
+def nf4_blocks(numel: int) -> tuple[int, int]:
+    """(block_size, scaler_block_size) for a weight of ``numel`` values: torchao's 64 and 256, the second cut to
+    the largest power of two dividing the weight's block count (a small layer has fewer than 256 blocks).
+    ``ValueError`` when 64 does not divide the weight."""
+    if numel % NF4_BLOCK:
+        raise ValueError(f"lora.base=nf4: a weight of {numel} values is not a multiple of NF4's {NF4_BLOCK}-value block")
+    blocks = numel // NF4_BLOCK
+    return NF4_BLOCK, math.gcd(blocks, NF4_SCALER_BLOCK)
+
+
+@torch.no_grad()
+def to_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` quantized to torchao's NF4Tensor (4 bits a value, a scale per 64 values, the scales quantized)."""
+    block, scaler = nf4_blocks(weight.numel())
+    return _nf4_module().to_nf4(weight.detach().contiguous(), block, scaler)
+
+
+@torch.no_grad()
+def quantize_bases(module: nn.Module, under: str = "", *, others: Iterable[str] = (),
+                   canonical: Callable[[str], str] = lambda p: p) -> int:
+    """Store the frozen weight of every LoRA layer of ``module`` below path ``under`` (all: "", except below the
+    ``others`` paths) in NF4. Materialisation calls it after each init group is filled, so at most one group is ever
+    held in full precision. ``canonical``: a module path without wrapper components. Returns how many were
+    quantized; a weight on the meta device or already NF4 is left."""
+    n = 0
+    inside = lambda path, root: path == root or path.startswith(root + ".")  # noqa: E731
+    others = [o for o in others if o]
+    for path, layer in lora_layers(module):
+        path = canonical(path)
+        if (under and not inside(path, under)) or (not under and any(inside(path, o) for o in others)):
+            continue
+        w = layer.weight
+        if _is_nf4(w) or w.is_meta:
+            continue
+        layer.weight = nn.Parameter(to_nf4(w), requires_grad=False)
+        n += 1
+    return n
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """An NF4 weight's values in full precision (the reference a QLoRA run is compared with)."""
+    return weight.get_original_weight() if _is_nf4(weight) else weight

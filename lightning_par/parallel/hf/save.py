@@ -19,8 +19,16 @@ name transformers keeps, ``_keys_to_ignore_on_save`` left out, names reverted to
 original layout where transformers' conversion is a renaming, its config and generation config. Files
 of the directory it does not write (a tokenizer saved there) are left alone, as transformers leaves them.
 
-A model that is whole on every rank (single, ddp, zero1, zero2) keeps transformers' method untouched. A
-model cut into pipeline stages (no rank holds all its layers; transformers' method would silently
+A model that is whole on every rank (single, ddp, zero1, zero2) keeps transformers' method untouched, but
+for a LoRA-adapted one. A LoRA model (``model.lora.rank=R``: its target linears hold ``lora_A``/``lora_B``
+beside their frozen weight) is written merged, sharded or not: each adapted weight as ``W + (alpha / r) B A``
+(``strategies/checkpoint/lora_export.py``), the adapter keys left out, so the directory is the plain model
+``from_pretrained`` loads; transformers' own method would write the unmerged base and the adapters under
+keys the architecture does not have. Whole on this process, it gets ``save_merged_pretrained``, not a
+collective (called where transformers' method would be); sharded, the collective merges each layer as its
+three tensors are gathered.
+
+A model cut into pipeline stages (no rank holds all its layers; transformers' method would silently
 write rank 0's stages only) gets a ``save_pretrained`` that refuses in one line and names the export.
 
 Called by some ranks only (rank 0 under ``if trainer.is_global_zero:``), the collective would wait in
@@ -48,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.parallel.adapters.lora import lora_layers
 from lightning_par.parallel.hf.plan import is_hf_model
 from lightning_par.parallel.init.materialize import canonical_name
 from lightning_par.parallel.init.weights import INDEX_NAME, WEIGHTS_NAME
@@ -89,6 +98,8 @@ def install_sharded_save(module: nn.Module) -> int:
         elif any(isinstance(p, DTensor) for p in model.parameters()):
             _CHECKS[model] = (_check_group(ARRIVAL_TIMEOUT_S), ARRIVAL_TIMEOUT_S)
             model.save_pretrained = types.MethodType(save_sharded_pretrained, model)
+        elif lora_layers(model):
+            model.save_pretrained = types.MethodType(save_merged_pretrained, model)
         else:
             continue
         count += 1
@@ -160,13 +171,46 @@ def save_sharded_pretrained(model: nn.Module, save_directory: str | os.PathLike,
         raise SaveError(f"{name} to {directory} failed: {plan}")
     _check_same_model(plan, tensors, name)
     _record_in_config(model)
+    merges = _lora_merges(model)
     error = ""
     if write and dist.get_rank() == 0:
-        error = _write(model, directory, plan, tensors)
+        error = _write(model, directory, plan, tensors, merges)
     else:
-        for _ in _gathered(plan, tensors):
+        for _ in _gathered(plan, tensors, merges):
             pass
     _finish(error, directory, name)
+
+
+def save_merged_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main_process: bool = True,
+                           state_dict: dict | None = None, push_to_hub: bool = False,
+                           max_shard_size: int | str = "50GB", variant: str | None = None,
+                           token: str | bool | None = None, save_peft_format: bool = True,
+                           save_original_format: bool = True, distributed_checkpoint: bool = False,
+                           **kwargs: Any) -> None:
+    """transformers' ``save_pretrained`` for a LoRA-adapted model whole in this process: the merged plain
+    model, in the files transformers writes, one layer's tensors at a time. Not a collective: call it where
+    transformers' own method would be called (one process writes when ``is_main_process``). With
+    ``state_dict=`` transformers' own method writes that state dict."""
+    if state_dict is not None:
+        return type(model).save_pretrained(model, save_directory, is_main_process=is_main_process,
+                                           state_dict=state_dict, push_to_hub=push_to_hub,
+                                           max_shard_size=max_shard_size, variant=variant, token=token,
+                                           save_peft_format=save_peft_format,
+                                           save_original_format=save_original_format,
+                                           distributed_checkpoint=distributed_checkpoint, **kwargs)
+    name = f"{type(model).__name__}.save_pretrained"
+    _refuse_unsupported(model, name, push_to_hub=push_to_hub, distributed_checkpoint=distributed_checkpoint)
+    tensors = _state_tensors(model)
+    try:
+        plan = _plan(model, tensors, save_original_format, max_shard_size, variant)
+    except Exception as e:  # noqa: BLE001 - a bad max_shard_size, a model transformers cannot revert
+        raise SaveError(f"{name} to {os.fspath(save_directory)} failed: {type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]}") from None
+    _record_in_config(model)
+    if is_main_process:
+        error = _write(model, os.fspath(save_directory), plan, tensors, _lora_merges(model))
+        if error:
+            raise SaveError(f"{name} to {os.fspath(save_directory)} failed: {error}")
 
 
 def _refuse_unsupported(model: nn.Module, name: str, *, push_to_hub: bool, distributed_checkpoint: bool) -> None:
@@ -273,8 +317,11 @@ def _plan(model: nn.Module, tensors: dict[str, torch.Tensor], original_format: b
     conversion, the sharding into files."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    from lightning_par.parallel.adapters.lora import is_adapter_key
+
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    kept = _without_ties(model, [k for k in tensors if k not in ignored], tensors)
+    # a LoRA model is written merged: its adapters are in the weights they adapt (``_lora_merges``)
+    kept = _without_ties(model, [k for k in tensors if k not in ignored and not is_adapter_key(k)], tensors)
     placeholders = {k: torch.empty(tensors[k].shape, dtype=tensors[k].dtype, device="meta") for k in kept}
     names = _reverted_names(model, placeholders) if original_format else {k: k for k in placeholders}
     meta = {out: placeholders[src] for out, src in names.items()}
@@ -344,12 +391,37 @@ def _add_variant(name: str, variant: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------- gathering, writing
-def _gathered(plan: Plan, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, Item, torch.Tensor]]:
+#: a LoRA layer's weight key -> its adapters' keys and its scaling (``_lora_merges``)
+Merges = dict[str, tuple[str, str, float]]
+
+
+def _lora_merges(model: nn.Module) -> Merges:
+    """Each LoRA layer's weight (canonical key) -> (its ``lora_A`` key, its ``lora_B`` key, its scaling)."""
+    from lightning_par.parallel.adapters.lora import adapter_keys
+
+    out = {}
+    for path, layer in lora_layers(model):
+        key = canonical_name(f"{path}.weight")
+        a, b = adapter_keys(key)
+        out[key] = (a, b, layer.scaling)
+    return out
+
+
+def _gathered(plan: Plan, tensors: dict[str, torch.Tensor],
+              merges: Merges | None = None) -> Iterator[tuple[str, Item, torch.Tensor]]:
     """Each tensor of the plan whole, file by file, in the same order on every rank (each DTensor's
-    gather is a collective over its mesh)."""
+    gather is a collective over its mesh); a LoRA layer's weight merged with its adapters, gathered
+    after it (``adapters.lora.merge``)."""
+    from lightning_par.parallel.adapters.lora import merge
+
+    merges = merges or {}
     for file, items in plan.files.items():
         for item in items:
-            yield file, item, _full(tensors[item.source])
+            t = _full(tensors[item.source])
+            if item.source in merges:
+                a, b, scaling = merges[item.source]
+                t = merge(t, _full(tensors[a]), _full(tensors[b]), scaling)
+            yield file, item, t
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -364,10 +436,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()
 
 
-def _write(model: nn.Module, directory: str, plan: Plan, tensors: dict[str, torch.Tensor]) -> str:
+def _write(model: nn.Module, directory: str, plan: Plan, tensors: dict[str, torch.Tensor],
+           merges: Merges | None = None) -> str:
     """Rank 0: the files, streamed; returns "" or the error (after taking part in every gather still
     due, so that no rank is left waiting in one)."""
-    gathered = _gathered(plan, tensors)
+    gathered = _gathered(plan, tensors, merges)
     written: list[str] = []
     try:
         os.makedirs(directory, exist_ok=True)

@@ -90,7 +90,7 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
                 init_fn: InitFn | None = None, param_device: torch.device | None = None,
                 trace: InitTrace | None = None, refs: dict[str, TensorRef] | None = None,
                 weights: WeightSources | None = None, home: Callable[[nn.Module], None] | None = None,
-                after_group: Callable[[], None] | None = None) -> int:
+                after_group: Callable[[str], None] | None = None) -> int:
     """Allocate ``module``'s local tensors on ``device`` and fill them from the seeded group inits.
 
     ``module`` may be sharded (FSDP2, DTensor TP) or hold only some groups (a pipeline rank);
@@ -148,7 +148,7 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
         if len(loaded) == len(names):  # every tensor of the group came from the checkpoint: nothing to initialise
             _release_free_memory()  # the slices read were temporaries: hand their pages back (see below)
             if after_group is not None:
-                after_group()
+                after_group(path)
             continue
         host = template.to_empty(device="cpu")
         for t in [*host.parameters(), *host.buffers()]:
@@ -182,7 +182,7 @@ def materialize(module: nn.Module, *, device: torch.device, templates: dict[str,
         templates[path] = template.to("meta")  # release the host copy
         _release_free_memory()
         if after_group is not None:
-            after_group()
+            after_group(path)
     missing = sorted(set(targets) - filled)
     if missing:
         raise RuntimeError(f"materialize: no init group covers {missing[:3]}; its tensors would stay uninitialised")

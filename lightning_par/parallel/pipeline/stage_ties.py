@@ -105,6 +105,8 @@ def sum_tied_gradients(module: nn.Module, ties: Sequence[StageTie]) -> None:
         if tie.group is None:
             continue
         p = module.get_parameter(tie.names[0])
+        if not p.requires_grad:  # frozen (a LoRA model's base): no copy has a gradient to sum
+            continue
         if p.grad is None:  # this use took no part in this step's loss: it still joins the sum
             p.grad = torch.zeros_like(p)
         if hasattr(p.grad, "placements") and tuple(p.grad.placements) != tuple(p.placements):

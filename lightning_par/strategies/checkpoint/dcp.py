@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 from lightning_par.parallel.hf.plan import find_hf_model
 from lightning_par.core.units import fmt_bytes
 import lightning_par.strategies.checkpoint.checksums as checksums
+from lightning_par.strategies.checkpoint.lora_export import facts_of_module
 from lightning_par.strategies.checkpoint.errors import CheckpointError, CheckpointSaveError, _cause
 from lightning_par.strategies.checkpoint.lightning_file import check_lightning_file, load_lightning_file
 from lightning_par.parallel.init.materialize import canonical_name
@@ -406,14 +407,17 @@ def lightning_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 def export_facts(module: nn.Module) -> dict[str, Any]:
     """What ``lightning-par-export`` needs beside the tensors: a Hugging Face model's config and where it
-    sits in the module (any LightningModule holding one), and the run's tokenizer directory if its
-    data has one."""
+    sits in the module (any LightningModule holding one), a LoRA run's rank and alpha (to merge or write
+    its adapters, ``lora_export.py``), and the run's tokenizer directory if its data has one."""
     out: dict[str, Any] = {}
     found = find_hf_model(module)
     if found is not None:
         path, net = found
         out["hf_config"] = plain(net.config.to_dict())
         out["hf_module_prefix"] = f"{canonical_name(path)}." if path else ""
+    lora = facts_of_module(module)
+    if lora is not None:
+        out["lora"] = lora
     trainer = getattr(module, "_trainer", None)
     tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer_dir", None)
     if tokenizer:

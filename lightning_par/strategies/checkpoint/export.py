@@ -15,6 +15,12 @@ group) and appends it to the output safetensors file, so memory holds one tensor
 A fine-tune's export also gets the source checkpoint's ``generation_config.json`` (its generation
 defaults: the run recorded the directory), when that file is still there.
 
+A LoRA run's checkpoint (``model.lora.rank=R``) is exported merged: each adapted weight is written as
+``W + (alpha / r) B A``, read with its two adapters and nothing else, and the adapter keys are left out, so
+the directory is the plain model (``lora_export.py``). ``--adapter`` writes PEFT's adapter directory
+instead (``adapter_model.safetensors`` + ``adapter_config.json``), which ``PeftModel.from_pretrained``
+loads onto the original base.
+
 Files are sharded as ``save_pretrained`` shards them (``model-0000i-of-0000n.safetensors`` + the
 index; one ``model.safetensors`` when it fits ``--max-shard-size``). Tokenizer files are copied when
 the run recorded a tokenizer or ``--tokenizer DIR`` names one. Everything is written into a
@@ -26,12 +32,13 @@ export to ``OUT``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_par import ConfigError
 from lightning_par.core.jobs import quiet_third_party_logs
+from lightning_par.strategies.checkpoint import lora_export
 from lightning_par.strategies.checkpoint.dcp import MODEL_KEY, check_checkpoint
 
 #: safetensors' dtype names
@@ -81,20 +89,43 @@ class CheckpointTensors:
         dcp.load({self.key: {name: out}}, checkpoint_id=self.path, no_dist=True)
         return out
 
+    def adapted(self) -> dict[str, tuple[str, str]]:
+        """The LoRA layers' base weights -> their adapters' keys (``lora_export.adapted_weights``)."""
+        try:
+            return lora_export.adapted_weights(self.meta)
+        except ValueError as e:
+            raise ConfigError(f"export: {self.path}: {e}") from None
+
+
+class MergedTensors(CheckpointTensors):
+    """A LoRA run's checkpoint as the merged plain model: the adapter keys hidden, each adapted weight read
+    as ``W + scaling * B @ A`` (its three tensors read, then merged: one layer's tensors in memory)."""
+
+    def __init__(self, path: Path, scaling: float) -> None:
+        super().__init__(path)
+        self.scaling, self.adapters = scaling, self.adapted()
+        self.meta_all, self.meta = self.meta, {k: v for k, v in self.meta.items() if not lora_export.is_adapter_key(k)}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta_all[name].size)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.meta_all[name].properties.dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.adapters:
+            return super().read(name)
+        a, b = self.adapters[name]
+        return lora_export.merge(super().read(name), super().read(a), super().read(b), self.scaling)
+
 
 # ---------------------------------------------------------------------------------- layouts
 def hf_layout(tensors: CheckpointTensors, config: dict[str, Any], prefix: str) -> tuple[list[OutTensor], Any]:
     """A Hugging Face model's tensors under its own names; a tied copy is written once (as
     ``save_pretrained`` does). Returns the tensors and the config object to save."""
-    import transformers
-
     from lightning_par.parallel.init.ties import tied_parameters
 
-    fields = dict(config)
-    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    cfg.use_cache = True  # inference default; training ran without the cache
-    with torch.device("meta"):
-        net = transformers.AutoModelForCausalLM.from_config(cfg)
+    net, cfg = _meta_model(config)
     tied = {other for _, other in tied_parameters(net)}
     expected = {k: tuple(v.shape) for k, v in net.state_dict().items()}
     out = []
@@ -107,6 +138,45 @@ def hf_layout(tensors: CheckpointTensors, config: dict[str, Any], prefix: str) -
                               f"{cfg.model_type} model its config describes")
         out.append(OutTensor(hf, tensors.shape(name), tensors.dtype(name), (name,)))
     return out, cfg
+
+
+def _meta_model(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """The Hugging Face model a checkpoint's recorded config describes, on the meta device, and its config."""
+    import transformers
+
+    fields = dict(config)
+    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg.use_cache = True  # inference default; training ran without the cache
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg), cfg
+
+
+def adapter_layout(tensors: CheckpointTensors, config: dict[str, Any], prefix: str,
+                   facts: lora_export.LoRAFacts) -> tuple[list[OutTensor], list[str] | str]:
+    """A LoRA run's adapters (and ``lora.train``'s whole modules) under PEFT's names, each checked against the
+    Hugging Face model its config describes. Returns the tensors and PEFT's ``target_modules``."""
+    net, cfg = _meta_model(config)
+    expected = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    adapted = tensors.adapted()
+    out, layers = [], []
+    for peft, name in lora_export.peft_names(tensors.meta, prefix, facts.train).items():
+        hf = peft.removeprefix(lora_export.PEFT_PREFIX)
+        if lora_export.is_adapter_key(hf):
+            base = name.rsplit(".", 2)[0] + ".weight"
+            layer = base.removeprefix(prefix).removesuffix(".weight")
+            if expected.get(layer + ".weight") != tensors.shape(base) or base not in adapted:
+                raise ConfigError(f"export --adapter: {tensors.path}: {name} adapts a layer the {cfg.model_type} model "
+                                  "its config describes does not have")
+            layers.append(layer)
+        elif expected.get(hf) != tensors.shape(name):
+            raise ConfigError(f"export --adapter: {tensors.path}: {name} of shape {tensors.shape(name)} has no place "
+                              f"in the {cfg.model_type} model its config describes")
+        out.append(OutTensor(peft, tensors.shape(name), tensors.dtype(name), (name,)))
+    if len(layers) != 2 * len(adapted):
+        outside = sorted(set(adapted) - {prefix + p + ".weight" for p in layers})
+        raise ConfigError(f"export --adapter: {tensors.path}: {outside[0]} is adapted outside the Hugging Face model "
+                          f"(under {prefix or 'the root'})")
+    return out, lora_export.target_modules(layers, (p for p, _ in net.named_modules()))
 
 
 def gpt2_layout(tensors: CheckpointTensors, gpt: dict[str, Any], prefix: str = "net.") -> tuple[list[OutTensor], Any]:
@@ -185,22 +255,18 @@ def shard(items: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
 
 # ---------------------------------------------------------------------------------- the command
 def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: str = "keep",
-           tokenizer: str | Path | None = None, overwrite: bool = False) -> str:
-    """Export ``checkpoint`` to ``out``; returns what was written (one line)."""
-    checkpoint, out = Path(checkpoint), Path(out).resolve()
-    if checkpoint.is_file():
-        raise ConfigError(f"export: {checkpoint} is a single-file checkpoint; export reads lightning_par's checkpoint "
-                          "directories (resume the file under an lp_ strategy with callbacks.export.at_end=true)")
-    if not checkpoint.exists():
-        raise ConfigError(missing_checkpoint(checkpoint))
-    check_checkpoint(checkpoint)
-    if out == Path.cwd().resolve() or out in checkpoint.resolve().parents or out == checkpoint.resolve() \
-            or out == Path(out.anchor):
-        raise ConfigError(f"export: {out} is the current directory, a root, or holds the checkpoint; name a new directory")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ConfigError(f"export: {out} exists and is not empty (pass --overwrite to replace it)")
+           tokenizer: str | Path | None = None, overwrite: bool = False, adapter: bool = False) -> str:
+    """Export ``checkpoint`` to ``out`` (a LoRA run's merged; with ``adapter``, its PEFT adapter directory
+    instead); returns what was written (one line)."""
+    checkpoint, out = _checked_paths(checkpoint, out, overwrite)
     meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=True)
+    if adapter:
+        return _export_adapter(checkpoint, out, meta, dtype=dtype, tokenizer=tokenizer)
     tensors = CheckpointTensors(checkpoint)
+    merged = ""
+    if adapted := tensors.adapted():
+        tensors = MergedTensors(checkpoint, _lora_facts(meta, checkpoint).scaling)
+        merged = f", {len(adapted)} LoRA layers merged"
     tokenizer = tokenizer or meta.get("tokenizer_dir")
     if meta.get("hf_config"):
         items, cfg = hf_layout(tensors, meta["hf_config"], meta.get("hf_module_prefix", ""))
@@ -212,29 +278,13 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
         items, cfg = plain_layout(tensors), None
         kind = "plain safetensors state dict (no transformers architecture matches this model; its own names)"
     tok = _load_tokenizer(Path(tokenizer)) if tokenizer else None  # before anything is written
-    cast = _CAST[dtype]
-    if cast is not None:
-        items = [OutTensor(i.name, i.shape, cast if i.dtype.is_floating_point else i.dtype, i.sources, i.combine)
-                 for i in items]
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    _remove_dead_partials(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    except OSError as e:
-        why = "a path above it is a file" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e
-        raise ConfigError(f"export: cannot write {out} ({why})") from None
-    try:
+    items = _cast(items, dtype)
+    with _staged(out) as tmp:
         groups = shard(items, max_shard_bytes)
         names = ["model.safetensors"] if len(groups) == 1 else [
             f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-
-        def produce(item: OutTensor) -> torch.Tensor:
-            t = item.combine([tensors.read(s) for s in item.sources])
-            return t.to(item.dtype)
-
         for name, group in zip(names, groups):
-            write_safetensors(tmp / name, group, produce)
+            write_safetensors(tmp / name, group, _producer(tensors))
         if len(groups) > 1:
             total = sum(_numel(i.shape) * torch.empty((), dtype=i.dtype).element_size() for i in items)
             index = {"metadata": {"total_size": total},
@@ -250,13 +300,101 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 
                 shutil.copyfile(source, tmp / "generation_config.json")
         if tok is not None:
             tok.save_pretrained(str(tmp))
+    return f"exported {len(items)} tensors in {len(groups)} file(s) to {out}: {kind}{merged}"
+
+
+def _export_adapter(checkpoint: Path, out: Path, meta: dict[str, Any], *, dtype: str,
+                    tokenizer: str | Path | None) -> str:
+    """``--adapter``: a LoRA run's PEFT adapter directory (``lora_export.py``)."""
+    tensors = CheckpointTensors(checkpoint)
+    if not tensors.adapted():
+        raise ConfigError(f"export --adapter: {checkpoint} holds no LoRA adapters (the run had no model.lora.rank); "
+                          "export the model without --adapter")
+    if not meta.get("hf_config"):
+        raise ConfigError(f"export --adapter: {checkpoint} is not a Hugging Face model's (model=hf_causal_lm), so "
+                          "no base model exists for PEFT to load the adapter onto; export the merged model without "
+                          "--adapter")
+    facts = _lora_facts(meta, checkpoint)
+    items, targets = adapter_layout(tensors, meta["hf_config"], meta.get("hf_module_prefix", ""), facts)
+    items = _cast(items, dtype)
+    tokenizer = tokenizer or meta.get("tokenizer_dir")
+    tok = _load_tokenizer(Path(tokenizer)) if tokenizer else None
+    base = meta.get("pretrained_dir") or None
+    with _staged(out) as tmp:
+        write_safetensors(tmp / lora_export.ADAPTER_WEIGHTS, items, _producer(tensors))
+        config = lora_export.adapter_config(facts, targets, base)
+        (tmp / lora_export.ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tok is not None:
+            tok.save_pretrained(str(tmp))
+    onto = f"onto {base}" if base else ("onto the run's own base (built from a config, not model.pretrained: "
+                                         "export the merged model to keep it)")
+    return (f"exported {len(items)} tensors to {out}: PEFT LoRA adapter (r={facts.rank}, alpha={facts.alpha:g}, "
+            f"targets {targets if isinstance(targets, str) else ','.join(targets)}), {onto}")
+
+
+def _lora_facts(meta: dict[str, Any], checkpoint: Path) -> lora_export.LoRAFacts:
+    facts = lora_export.facts_of_checkpoint(meta)
+    if facts is None:
+        raise ConfigError(f"export: {checkpoint} holds LoRA adapters but records no lora rank and alpha (meta.pt's "
+                          "lora or hyper_parameters.lora), so they cannot be merged")
+    return facts
+
+
+def _checked_paths(checkpoint: str | Path, out: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """The checkpoint (a complete lightning_par checkpoint directory) and the output directory (new, empty,
+    or ``overwrite``), or one line."""
+    checkpoint, out = Path(checkpoint), Path(out).resolve()
+    if checkpoint.is_file():
+        raise ConfigError(f"export: {checkpoint} is a single-file checkpoint; export reads lightning_par's checkpoint "
+                          "directories (resume the file under an lp_ strategy with callbacks.export.at_end=true)")
+    if not checkpoint.exists():
+        raise ConfigError(missing_checkpoint(checkpoint))
+    check_checkpoint(checkpoint)
+    if out == Path.cwd().resolve() or out in checkpoint.resolve().parents or out == checkpoint.resolve() \
+            or out == Path(out.anchor):
+        raise ConfigError(f"export: {out} is the current directory, a root, or holds the checkpoint; name a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ConfigError(f"export: {out} exists and is not empty (pass --overwrite to replace it)")
+    return checkpoint, out
+
+
+def _cast(items: list[OutTensor], dtype: str) -> list[OutTensor]:
+    """``--dtype``: floating tensors written in ``dtype`` (``keep``: as they are)."""
+    cast = _CAST[dtype]
+    if cast is None:
+        return items
+    return [OutTensor(i.name, i.shape, cast if i.dtype.is_floating_point else i.dtype, i.sources, i.combine)
+            for i in items]
+
+
+def _producer(tensors: CheckpointTensors) -> Callable[[OutTensor], torch.Tensor]:
+    def produce(item: OutTensor) -> torch.Tensor:
+        t = item.combine([tensors.read(s) for s in item.sources])
+        return t.to(item.dtype)
+
+    return produce
+
+
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A temporary directory beside ``out`` to write into, renamed to ``out`` (replacing it) when the block
+    ends, removed if it raises: an interrupted export never leaves a directory that looks complete."""
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    _remove_dead_partials(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        why = "a path above it is a file" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e
+        raise ConfigError(f"export: cannot write {out} ({why})") from None
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return f"exported {len(items)} tensors in {len(groups)} file(s) to {out}: {kind}"
 
 
 def missing_checkpoint(checkpoint: Path) -> str:
@@ -357,13 +495,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(_CAST), default="keep", help="cast floating tensors (default keep)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer directory to copy (default: the run's, if any)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write its PEFT adapter directory (adapter_model.safetensors, "
+                             "adapter_config.json) instead of the merged model")
     args = parser.parse_args(argv)
     # DCP says once that it loads in one process without a process group: that is the point here
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     quiet_third_party_logs()
     try:
         print(export(args.checkpoint, args.out, max_shard_bytes=args.max_shard_size, dtype=args.dtype,
-                     tokenizer=args.tokenizer, overwrite=args.overwrite))
+                     tokenizer=args.tokenizer, overwrite=args.overwrite, adapter=args.adapter))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
