@@ -217,19 +217,20 @@ DEQUANTIZE = textwrap.dedent('''
             state[key] = to_nf4(w).get_original_weight().to(w.dtype).contiguous()
     save_file(state, f"{dst}/model.safetensors", metadata={"format": "pt"})
 ''')
-QLORA_STRATEGIES = ("single", "ddp", "pipeline")
-# QLoRA's losses stay within 4.1e-5 (measured over 12 AdamW steps) of the dequantized reference and of each other
-# across strategies (step 0: 7e-7 apart between ddp and single), where plain LoRA's stay within 2e-7; the issue's
-# bound, rtol 1e-4.
+QLORA_STRATEGIES = ("single", "ddp", "fsdp", "pipeline")
+# torchao's NF4 matmul dequantizes with its own arithmetic, not get_original_weight()'s: against LoRA on those values
+# the losses drift to 4.1e-5 over 12 AdamW steps (measured, single); the issue's bound, rtol 1e-4. Among themselves
+# the QLoRA runs hold rtol 1e-5 (the same 4-bit values on every layout).
 QLORA_RTOL = 1e-4
 
 
 @pytest.mark.timeout(900)
 def test_qlora_equals_lora_on_the_dequantized_weights(pretrained: Path, tmp_path: Path) -> None:
     """``model.lora.base=nf4`` on the checkpoint against plain LoRA on a copy whose target weights are the same NF4
-    values dequantized (written here): the same losses (rtol 1e-4, ``QLORA_RTOL``) under single, ddp and pipeline at 2 ranks; the base
-    stored in about 4.5 bits a value (the parameters' bytes fall by the targets' share); and refused in one line where
-    the strategy would split the 4-bit weights."""
+    values dequantized (written here): lp_single's losses within rtol 1e-4 (``QLORA_RTOL``); ddp, fsdp (the 4-bit
+    weights sharded by rows and gathered quantized) and pipeline at 2 ranks equal lp_single's QLoRA run at rtol
+    1e-5; the base stored in about 4.5 bits a value (each rank's parameter bytes fall by the targets' share, halved
+    again under fsdp); refused in one line where tensor parallelism would split the 4-bit weights."""
     import shutil
 
     deq = tmp_path / "llama_nf4_dequantized"
@@ -237,15 +238,18 @@ def test_qlora_equals_lora_on_the_dequantized_weights(pretrained: Path, tmp_path
     subprocess.run([sys.executable, "-c", DEQUANTIZE, str(pretrained / "llama"), str(deq)], check=True,
                    capture_output=True, timeout=120)
     common = ("model=hf_causal_lm", "data.seq_len=32", f"model.lora.rank={RANK}", "model.lr=0.002",
-              "scheduler=constant", f"strategy={','.join(QLORA_STRATEGIES)}", "trainer.devices=2")
-    nf4 = by_strategy(sweep(f"model.pretrained={pretrained / 'llama'}", "model.lora.base=nf4", *common))
-    ref = by_strategy(sweep(f"model.pretrained={deq}", *common))
+              "scheduler=constant", "trainer.devices=2")
+    nf4 = by_strategy(sweep(f"model.pretrained={pretrained / 'llama'}", "model.lora.base=nf4", *common,
+                            f"strategy={','.join(QLORA_STRATEGIES)}"))
+    ref = by_strategy(sweep(f"model.pretrained={deq}", *common, "strategy=single"))["single"]
+    _assert_parity(nf4["single"], ref, rtol=QLORA_RTOL)
+    full = ref["memory"][0]["params"]
     for name in QLORA_STRATEGIES:
-        _assert_parity(nf4[name], ref[name], rtol=QLORA_RTOL)
-        _assert_parity(nf4[name], nf4["single"], rtol=QLORA_RTOL)
-        stored, full = (sum(m["params"] for m in r["memory"]) for r in (nf4[name], ref[name]))
-        assert stored < 0.6 * full, (name, stored, full)  # targets: 5.5/32 of their fp32 bytes; the rest as it was
-    proc = run_cli(["model=hf_causal_lm", "model.lora.rank=4", "model.lora.base=nf4", "strategy=fsdp",
+        _assert_parity(nf4[name], nf4["single"])
+        share = 2 if name in ("fsdp", "pipeline") else 1
+        for m in nf4[name]["memory"]:  # targets: 4.5 of their 32 bits; embeddings, norms and head as they were
+            assert m["params"] < 0.6 * full / share, (name, m["params"], full)
+    proc = run_cli(["model=hf_causal_lm", "model.lora.rank=4", "model.lora.base=nf4", "strategy=tensor_parallel",
                     "trainer.devices=2"], tmp_path / "refused", check=False)
-    assert proc.returncode != 0 and "model.lora.base=nf4 (QLoRA) runs on strategies that keep" in proc.stderr
+    assert proc.returncode != 0 and "model.lora.base=nf4 (QLoRA) runs on single, ddp" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

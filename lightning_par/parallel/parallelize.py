@@ -19,6 +19,8 @@ meta** to **materialise**; each is marked with its name in the code below:
 - **checkpoint activations** of the blocks present (and of the tiles);
 - **compile** each block (``module.compile()`` in place: state-dict keys do not change), or with
   ``compile_scope="model"`` each stage whole and the model's ``loss_fn`` (``compile_model``);
+- **quantize base**: ``spec.quantize_base="nf4"`` (QLoRA): each LoRA layer's frozen weight becomes torchao's NF4
+  (``adapters/lora.py``), on meta, so that FSDP splits and gathers it in 4 bits;
 - **fully shard**: FSDP2 ``fully_shard`` (the expert modules over their own data axis -- or, with
   none beside ep, left out of FSDP -- then units, then the stage/model root);
 - **materialise**: allocate only this rank's local tensors and fill them with the model's own,
@@ -49,8 +51,8 @@ from lightning_par.parallel.discovery import ResolvedPlan, init_groups
 from lightning_par.parallel.tensor.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_par.parallel.sharding.fsdp import apply_fsdp, resolve_units
 from lightning_par.parallel.init.init_trace import InitTrace, tensor_refs
-from lightning_par.parallel.adapters.lora import quantize_bases
-from lightning_par.parallel.init.materialize import InitFn, canonical_name, capture_templates, has_meta_tensors, materialize
+from lightning_par.parallel.adapters.lora import check_nf4_split, quantize_bases
+from lightning_par.parallel.init.materialize import InitFn, capture_templates, has_meta_tensors, materialize
 from lightning_par.parallel.init.weights import weight_sources
 from lightning_par.parallel.tensor.tensor_parallel import apply_tensor_parallel
 from lightning_par.parallel.memory.tiling import apply_tiling, check_tiling, with_tied_partners
@@ -201,6 +203,10 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
         elif spec.compile:
             for path in blocks:
                 stage.get_submodule(path).compile(**spec.compile_kwargs)
+        if spec.quantize_base == "nf4":                                                  # quantize base
+            if spec.fully_shard is not None:
+                check_nf4_split(stage, spec.fully_shard.mesh.size(spec.fully_shard.mesh.ndim - 1))
+            quantize_bases(stage)  # on meta: NF4 weights for FSDP to split; materialise fills them
         if spec.fully_shard is not None:                                                 # fully shard
             fs = spec.fully_shard
             ignored = None
@@ -225,26 +231,16 @@ def parallelize(module: nn.Module, spec: Techniques) -> list[nn.Module]:
                        prefetch=fs.prefetch, ignored_params=ignored, pin_memory=fs.disk_tier is None, in_root=head,
                        root_reshard_after_forward=False if head is not None else None)
     tier = spec.fully_shard.disk_tier if spec.fully_shard is not None else None
-    quantize = spec.quantize_base == "nf4"
     if templates is not None:                                                            # materialise
         offload = spec.fully_shard is not None and spec.fully_shard.cpu_offload
-        groups = list(templates)
-
-        def after_group(path: str) -> None:
-            if tier is not None:  # the disk tier hands the group's written pages back
-                tier.release()
-            if quantize:  # quantize base: this group's LoRA layers, now filled, to NF4 (its fp32 copy freed)
-                quantize_bases(module, path, others=groups, canonical=canonical_name)
-
+        # an NF4 weight (quantize base) is filled whole-weight-quantized, then cut (adapters/lora.fill_nf4)
         n = materialize(module, device=spec.device, templates=templates, seed=spec.seed, init_fn=spec.init_fn,
                         param_device=torch.device("cpu") if offload else None, trace=spec.init_trace, refs=refs,
                         weights=weights, home=tier.home_parameters if tier is not None else None,
-                        after_group=after_group if tier is not None or quantize else None)
+                        after_group=(lambda path: tier.release()) if tier is not None else None)
         log.info("materialised %d local tensors on %s from %d init groups", n, spec.device, len(templates))
     elif tier is not None:  # a model built with real tensors: its shards are copied into the files
         tier.home_parameters(module, copy=True)
-    if quantize:  # quantize base (a model built with real tensors: all at once; else what is left, if any)
-        log.info("quantize base: %d LoRA base weights stored in NF4", quantize_bases(module, canonical=canonical_name))
     if tier is not None:
         tier.attach(module)
     return stages

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from lightning_par import ConfigError
-from lightning_par.parallel.adapters.lora import check_nf4_available
+from lightning_par.parallel.adapters.lora import check_nf4_available, is_nf4
 from lightning_par.parallel.discovery import ResolvedPlan, checkpointing_fn_of, init_fn_of, resolve_plan
 from lightning_par.parallel.hf.save import install_sharded_save
 from lightning_par.parallel.init.init_trace import InitTrace
@@ -304,7 +304,8 @@ class ParStrategyMixin:
 
     def check_lora(self, module: nn.Module, world_size: int) -> None:
         """``model.lora`` with what this strategy and its options can run, else one line: QLoRA's NF4 base is
-        not sharded (FSDP, ZeRO-3, tensor parallel split the weights it stores in 4 bits) nor combined with float8."""
+        split by FSDP (rows and quantized blocks alike) but not by tensor parallelism, nor offloaded to the host;
+        LoRA is not combined with float8."""
         lora = getattr(module, "lora", None)
         if lora is None:
             return
@@ -313,11 +314,11 @@ class ParStrategyMixin:
         if lora.base != "nf4":
             return
         check_nf4_available()
-        split = self.weight_splits(world_size)
-        if split:
-            raise ValueError(f"model.lora.base=nf4 (QLoRA) runs on strategies that keep the frozen base whole on each "
-                             f"rank (single, ddp, zero1, zero2, pipeline); {self.strategy_name} applies "
-                             f"{' and '.join(split)}, which NF4 weights do not take here yet")
+        split = [k for k in self.weight_splits(world_size) if k != "fully_shard"]
+        if split or getattr(self, "cpu_offload", False):
+            why = " and ".join(split) if split else "host offload"
+            raise ValueError(f"model.lora.base=nf4 (QLoRA) runs on single, ddp, zero1, zero2, zero3, fsdp, hsdp and "
+                             f"pipeline; {self.strategy_name} applies {why}, which NF4 weights do not take here yet")
 
     def weight_splits(self, world_size: int) -> list[str]:
         """The techniques by which this strategy splits a weight over ranks at ``world_size`` (``fully_shard``,
@@ -356,6 +357,9 @@ class ParStrategyMixin:
                           **steps)
         tp_plan = resolved.plan.tp_plan if spec.tensor_parallel is not None else None
         stages = parallelize(module, replace(spec, tiling=check_tiling(self.tiling, tp_plan)))
+        if spec.quantize_base:  # QLoRA: the 4-bit base is frozen and already the same on every rank; DDP's start-up
+            # broadcast of it (through NF4's own ops) moved the step-0 loss by 5e-5: DDP leaves it alone
+            module._ddp_params_and_buffers_to_ignore = [n for n, p in module.named_parameters() if is_nf4(p)]
         # a Hugging Face model now sharded (DTensors) or cut: transformers' save_pretrained would fail or write
         # a part, so it becomes a collective that streams the whole model out (every rank calls it)
         install_sharded_save(module)

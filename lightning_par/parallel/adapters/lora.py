@@ -275,14 +275,18 @@ NF4_BLOCK = 64  #: values per absmax scale (QLoRA's and torchao's block)
 NF4_SCALER_BLOCK = 256  #: scales per second-level scale (torchao's default), smaller where a weight has fewer
 
 
+NF4_MIN_SCALER_GROUPS = 8  #: second-level groups a weight keeps at least, so FSDP can split it over up to 8 ranks
+
+
 def nf4_blocks(numel: int) -> tuple[int, int]:
-    """(block_size, scaler_block_size) for a weight of ``numel`` values: torchao's 64 and 256, the second cut to
-    the largest power of two dividing the weight's block count (a small layer has fewer than 256 blocks).
-    ``ValueError`` when 64 does not divide the weight."""
+    """(block_size, scaler_block_size) for a weight of ``numel`` values: torchao's 64 and 256, the second cut for a
+    small weight so that it keeps at least 8 second-level groups (FSDP2 splits an NF4 weight by its groups; the
+    rule depends on the weight alone, so every layout quantizes alike). ``ValueError`` when 64 does not divide the
+    weight."""
     if numel % NF4_BLOCK:
         raise ValueError(f"lora.base=nf4: a weight of {numel} values is not a multiple of NF4's {NF4_BLOCK}-value block")
     blocks = numel // NF4_BLOCK
-    return NF4_BLOCK, math.gcd(blocks, NF4_SCALER_BLOCK)
+    return NF4_BLOCK, max(1, math.gcd(NF4_SCALER_BLOCK, blocks // NF4_MIN_SCALER_GROUPS or 1))
 
 
 @torch.no_grad()
@@ -293,25 +297,57 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_bases(module: nn.Module, under: str = "", *, others: Iterable[str] = (),
-                   canonical: Callable[[str], str] = lambda p: p) -> int:
-    """Store the frozen weight of every LoRA layer of ``module`` below path ``under`` (all: "", except below the
-    ``others`` paths) in NF4. Materialisation calls it after each init group is filled, so at most one group is ever
-    held in full precision. ``canonical``: a module path without wrapper components. Returns how many were
-    quantized; a weight on the meta device or already NF4 is left."""
+def quantize_bases(module: nn.Module) -> int:
+    """Store the frozen weight of every LoRA layer of ``module`` as torchao's NF4 (QLoRA). On the meta device (the
+    **quantize base** step, before FSDP) only the layout is made, and materialisation fills it (``fill_nf4``); a
+    weight with values is quantized at once. Returns how many were converted (one already NF4 is left)."""
     n = 0
-    inside = lambda path, root: path == root or path.startswith(root + ".")  # noqa: E731
-    others = [o for o in others if o]
-    for path, layer in lora_layers(module):
-        path = canonical(path)
-        if (under and not inside(path, under)) or (not under and any(inside(path, o) for o in others)):
-            continue
+    for _, layer in lora_layers(module):
         w = layer.weight
-        if _is_nf4(w) or w.is_meta:
+        if _is_nf4(w):
             continue
-        layer.weight = nn.Parameter(to_nf4(w), requires_grad=False)
+        layer.weight = nn.Parameter(to_nf4(w), requires_grad=False)  # on meta: the NF4 layout only, no values
         n += 1
     return n
+
+
+def check_nf4_split(module: nn.Module, shards: int) -> None:
+    """``ValueError`` (one line) when FSDP cannot split a LoRA layer's NF4 weight over ``shards`` ranks: it splits
+    the rows and the quantized blocks alike, so both must divide."""
+    for path, layer in lora_layers(module):
+        rows = layer.weight.shape[0]
+        block, scaler = nf4_blocks(layer.weight.numel())
+        groups = layer.weight.numel() // (block * scaler)
+        if rows % shards or groups % shards:
+            raise ValueError(f"lora.base=nf4: {path}.weight ({rows} rows, {groups} NF4 scale groups) does not split "
+                             f"over {shards} FSDP ranks; use a data-parallel degree that divides both")
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """An NF4 weight, or a DTensor whose local shard is one."""
+    return _is_nf4(getattr(t, "_local_tensor", t))
+
+
+@torch.no_grad()
+def fill_nf4(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Quantize one whole weight ``full`` (full precision, host) and store ``target``'s piece of it: a plain NF4
+    weight takes it all; a DTensor (FSDP2's shard of an NF4 weight, ``Shard(0)`` on one mesh dim) its chunk of
+    rows. The whole weight is quantized before it is cut, so the values are the single-device run's."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    q = to_nf4(full)
+    local = target
+    if isinstance(target, DTensor):
+        local = target._local_tensor
+        mesh, coord = target.device_mesh, target.device_mesh.get_coordinate()
+        for dim, p in enumerate(target.placements):
+            if isinstance(p, Shard):
+                if p.dim != 0:
+                    raise ValueError(f"lora.base=nf4: an NF4 weight split on dim {p.dim} (only rows are)")
+                q = torch.chunk(q, mesh.size(dim), dim=0)[coord[dim]]
+    local.copy_(q)  # the quantized values, the block scales and their factors
+    # to_empty left the per-weight constants (the scales' mean, NF4's 16 code values) on meta: copy_ skips them
+    local.scaler_mean, local.nf4 = q.scaler_mean.clone(), q.nf4.clone()
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_par.parallel.adapters.lora import fill_nf4, is_nf4
 from lightning_par.parallel.init.init_trace import InitTrace, TensorRef
 from lightning_par.parallel.init.weights import WeightRef, WeightsError, WeightSources
 from lightning_par.parallel.init.ties import retie, tied_parameters
@@ -209,6 +210,9 @@ def _copy_local(target: torch.Tensor, full: torch.Tensor | WeightRef, block: tup
     """Copy ``target``'s local piece of ``full`` (of ``block`` of it: a tile's, one slice per leading
     dimension), where ``full`` is a host tensor or a checkpoint tensor read lazily (only the piece is read)."""
     lead = tuple(block) if block is not None else ()
+    if is_nf4(target):  # QLoRA's base: the whole weight quantized, then this rank's rows (adapters/lora.py)
+        fill_nf4(target, full[()] if isinstance(full, WeightRef) else full)
+        return
     if not isinstance(target, DTensor):
         if isinstance(full, WeightRef):  # the whole tensor (or a tile's block of it), read block by block
             _copy_in_chunks(target, full, [*lead, *(slice(0, n) for n in full.shape[len(lead):])])
