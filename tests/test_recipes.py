@@ -159,3 +159,33 @@ def test_a_fine_tune_on_token_files_resumes_mid_epoch_exactly(tmp_path: Path) ->
     assert resumed[:4] == whole[:4]
     log = (tmp_path / "resumed" / "run.log").read_text()  # it did resume (a fresh 8-step run would match too)
     assert "Restored all states from the checkpoint at whole/checkpoints/step000004.ckpt" in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_readme_lora_section_runs_as_written(tmp_path: Path) -> None:
+    """The README's LoRA and QLoRA block from an empty directory: QLoRA under fsdp on 2 ranks, both exports,
+    transformers generating from the merged model, PEFT loading the adapter. Then the exports agree: the merged
+    model's logits equal PEFT's adapter on the NF4 base's dequantized values (rtol 1e-5), the base the run trained on."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.parallel.adapters.lora import DEFAULT_TARGETS, to_nf4
+
+    (commands, *_) = bash_blocks("LoRA and QLoRA")
+    assert any("model.lora.base=nf4" in c and "strategy=fsdp" in c for c in commands), commands
+    run_as_written(commands, tmp_path, user_env())
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "qlora-merged").eval()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama")
+    with torch.no_grad():  # the values QLoRA trained on: each target weight through NF4 and back
+        for name, p in base.named_parameters():
+            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in DEFAULT_TARGETS:
+                p.copy_(to_nf4(p).get_original_weight())
+    peft = PeftModel.from_pretrained(base, tmp_path / "qlora-adapter").eval()
+    x = torch.randint(0, 320, (2, 16))
+    with torch.no_grad():
+        a, b = merged(input_ids=x).logits, peft(input_ids=x).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama")(input_ids=x).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(a, plain, atol=1e-4)  # training and quantization changed the model

@@ -353,3 +353,21 @@ def fill_nf4(target: torch.Tensor, full: torch.Tensor) -> None:
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
     """An NF4 weight's values in full precision (the reference a QLoRA run is compared with)."""
     return weight.get_original_weight() if _is_nf4(weight) else weight
+
+
+def dequantized_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A model state dict with each NF4 weight (plain, or a DTensor's NF4 shard) replaced by its values in full
+    precision, laid out alike: a checkpoint of a QLoRA run holds plain tensors, which the exporter merges and
+    transformers reads (torchao's subclass would be pickled into it)."""
+    from torch.distributed.tensor import DTensor
+
+    out = dict(state)
+    for key, value in state.items():
+        if not is_nf4(value):
+            continue
+        if isinstance(value, DTensor):
+            out[key] = DTensor.from_local(value._local_tensor.get_original_weight(), value.device_mesh, value.placements,
+                                          run_check=False, shape=value.shape, stride=value.stride())
+        else:
+            out[key] = value.get_original_weight()
+    return out

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 from lightning_par.parallel.hf.plan import find_hf_model
 from lightning_par.core.units import fmt_bytes
 import lightning_par.strategies.checkpoint.checksums as checksums
+from lightning_par.parallel.adapters.lora import dequantized_state, is_nf4
 from lightning_par.strategies.checkpoint.lora_export import facts_of_module
 from lightning_par.strategies.checkpoint.errors import CheckpointError, CheckpointSaveError, _cause
 from lightning_par.strategies.checkpoint.lightning_file import check_lightning_file, load_lightning_file
@@ -250,7 +251,7 @@ class DistributedCheckpointMixin:
         return False
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.lightning_module)
+        return dequantized_state(get_model_state_dict(self.lightning_module))  # QLoRA's base: its values
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return self.checkpoint_optimizer_state(_unwrap(optimizer))
@@ -328,6 +329,11 @@ class DistributedCheckpointMixin:
         module = self.lightning_module
         optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_0" in saved else []
         templates: dict[str, Any] = {model_key: get_model_state_dict(module)}
+        # QLoRA's frozen NF4 base is not read back: it is the same weights materialise already gave it (the pretrained
+        # checkpoint's, or the seed's), and the checkpoint holds their dequantized values
+        frozen = [k for k, v in templates[model_key].items() if is_nf4(v)]
+        for key in frozen:
+            templates[model_key].pop(key)
         for i, opt in enumerate(optimizers):
             templates[f"optimizer_{i}"] = self.optimizer_state_template(opt)
         # as saved: packed TP weights replicated over tp. Only then is a copy loaded into and scattered back:
@@ -343,7 +349,7 @@ class DistributedCheckpointMixin:
         if packed:
             templates = scatter_packed(loadable, templates)
         set_model_state_dict(module, templates[model_key],
-                             options=StateDictOptions(strict=getattr(module, "strict_loading", True)))
+                             options=StateDictOptions(strict=getattr(module, "strict_loading", True) and not frozen))
         for i, opt in enumerate(optimizers):
             self.load_optimizer_state(opt, templates[f"optimizer_{i}"])
         meta_file = path / _METADATA_FILENAME
