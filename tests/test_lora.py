@@ -2,7 +2,7 @@
 computes what PEFT's computes (PEFT is the reference: its LoRA layer on the same model with the same adapter values
 gives the same logits and adapter gradients); and training under every strategy equals lp_single's LoRA run.
 
-The runs (fp32, CPU, gloo, 12 AdamW steps, rtol 1e-5 against lp_single with the same adapters):
+The runs (fp32, CPU, gloo, 8 AdamW steps, rtol 1e-5 against lp_single with the same adapters):
 - our GPT under every strategy at 2 ranks (single, ddp, zero1, zero2, zero3, zero3_offload, fsdp, tensor_parallel,
   pipeline) and the compositions hsdp and fsdp_tp at 4 ranks;
 - four Hugging Face families (Llama, Qwen2, Mistral, Gemma), each from a checkpoint written here with
@@ -37,6 +37,7 @@ pytestmark = pytest.mark.xdist_group("lora")
 
 RTOL = 1e-5
 RANK = 4
+STEPS = "trainer.max_steps=8"  # the horizon (the suite's shared runs take 12): less time in the suite
 STRATEGIES_2 = "single,ddp,zero1,zero2,zero3,zero3_offload,fsdp,tensor_parallel,pipeline"
 STRATEGIES_4 = "hsdp,fsdp_tp"
 FAMILIES = ("llama", "qwen2", "mistral", "gemma")
@@ -131,11 +132,11 @@ def _assert_parity(run: dict, ref: dict, rtol: float = RTOL) -> None:
 
 @pytest.mark.timeout(900)
 def test_our_gpt_under_every_strategy_equals_the_single_device_lora_run() -> None:
-    runs = by_strategy(sweep(f"model.lora.rank={RANK}", f"strategy={STRATEGIES_2}", "trainer.devices=2"))
-    runs.update(by_strategy(sweep(f"model.lora.rank={RANK}", f"strategy={STRATEGIES_4}", "trainer.devices=4")))
+    runs = by_strategy(sweep(STEPS, f"model.lora.rank={RANK}", f"strategy={STRATEGIES_2}", "trainer.devices=2"))
+    runs.update(by_strategy(sweep(STEPS, f"model.lora.rank={RANK}", f"strategy={STRATEGIES_4}", "trainer.devices=4")))
     single = runs["single"]
     full = sweep("trainer.gradient_clip_val=null,0.5")[0]  # the shared full fine-tuning reference (no LoRA)
-    assert not np.allclose(single["losses"], full["losses"])  # the adapters changed what trains
+    assert not np.allclose(single["losses"], full["losses"][:len(single["losses"])])  # the adapters changed it
     assert single["losses"][-1] < single["losses"][0] - 0.1, single["losses"]  # and they learn
     full_grads = full["memory"][0]["grads"]
     for name in [*STRATEGIES_2.split(","), *STRATEGIES_4.split(",")]:
@@ -178,7 +179,7 @@ def test_four_hugging_face_families_from_a_checkpoint_equal_their_single_device_
     from safetensors.torch import load_file
 
     dirs = ",".join(str(pretrained / f) for f in FAMILIES)
-    out = sweep_dir("model=hf_causal_lm", f"model.pretrained={dirs}", "data.seq_len=32", f"model.lora.rank={RANK}",
+    out = sweep_dir(STEPS, "model=hf_causal_lm", f"model.pretrained={dirs}", "data.seq_len=32", f"model.lora.rank={RANK}",
                     "model.lr=0.002", "scheduler=constant", f"strategy={','.join(HF_STRATEGIES)}", "trainer.devices=2")
     jobs = sorted((p for p in out.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     assert len(jobs) == len(FAMILIES) * len(HF_STRATEGIES)
@@ -237,7 +238,7 @@ def test_qlora_equals_lora_on_the_dequantized_weights(pretrained: Path, tmp_path
     shutil.copytree(pretrained / "llama", deq)
     subprocess.run([sys.executable, "-c", DEQUANTIZE, str(pretrained / "llama"), str(deq)], check=True,
                    capture_output=True, timeout=120)
-    common = ("model=hf_causal_lm", "data.seq_len=32", f"model.lora.rank={RANK}", "model.lr=0.002",
+    common = (STEPS, "model=hf_causal_lm", "data.seq_len=32", f"model.lora.rank={RANK}", "model.lr=0.002",
               "scheduler=constant", "trainer.devices=2")
     nf4 = by_strategy(sweep(f"model.pretrained={pretrained / 'llama'}", "model.lora.base=nf4", *common,
                             f"strategy={','.join(QLORA_STRATEGIES)}"))

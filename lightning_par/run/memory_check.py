@@ -82,7 +82,12 @@ def prediction(cfg: Any, strategy: Any, model: Any, world: int) -> tuple[int, st
     tiling = dict(getattr(strategy, "tiling", None) or {})
     if not all(hasattr(config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")):
         return _traced_peak(cfg, found.name, strategy, dims, micro, precision, tiling, accumulate, model)
-    shape = Shape.of(config, getattr(model, "seq_len", None))
+    if getattr(model, "lora", None) is not None:  # the adapters' shape (Shape.of_model reads module.lora); None: an
+        shape = Shape.of_model(model, getattr(model, "seq_len", None))  # MoE with LoRA, not priced op by op: traced
+        if shape is None:
+            return _traced_peak(cfg, found.name, strategy, dims, micro, precision, tiling, accumulate, model)
+    else:
+        shape = Shape.of(config, getattr(model, "seq_len", None))
     on_cuda = _on_cuda(cfg)
     try:
         lay = strategy_layout(found.name, strategy, dims, tiling, accumulate)

@@ -112,7 +112,7 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _is_nf4(self.weight):  # QLoRA: torchao's matmul dequantizes the 4-bit weight (its backward: input grad only)
             out = _linear_nf4(x, self.weight)
-            out = out + self.bias if self.bias is not None else out
+            out = out + self.bias.to(out.dtype) if self.bias is not None else out
         else:
             out = F.linear(x, self.weight, self.bias)
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
@@ -268,7 +268,7 @@ def check_nf4_available() -> None:
     try:
         _nf4_module()
     except ImportError:
-        raise ValueError("lora.base=nf4 stores the base in torchao's NF4: pip install 'lightning_par[float8]'") from None
+        raise ValueError("lora.base=nf4 stores the base in torchao's NF4: pip install 'lightning_par[lora]'") from None
 
 
 NF4_BLOCK = 64  #: values per absmax scale (QLoRA's and torchao's block)
