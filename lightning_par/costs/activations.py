@@ -128,7 +128,10 @@ def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda",
     h, a, m, s = shape.n_embd, shape.n_head, shape.mlp_ratio, shape.seq_len
     sp = tp if sequence_parallel else 1
     norms = (2 * r * h + 16) / sp
-    whole = 2 * c * h  # ln_1 / ln_2 outputs: inputs of the column-parallel linears
+    # ln_1 / ln_2 outputs: inputs of the column-parallel linears (under autocast each of wq, wk, wv and fc keeps a
+    # copy of its own: 2 c h more than this counts, measured; left so for full fine-tuning, whose published figures
+    # use it -- LoRA's estimate counts them, ``lora_layer_bytes_per_token``)
+    whole = 2 * c * h
     split = c * h * (4 + 2 * m)  # q, k, v, attention out, fc out, GELU out
     kernel = attention_kernel(shape, device)
     if kernel == "fused":
@@ -142,16 +145,19 @@ def layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda",
         masks = 2 * h * (1 if device == "cuda" else c) / sp
     if shape.n_moe_layers:  # the average layer: MoE layers keep more than the dense MLP they replace
         split += shape.n_moe_layers / shape.n_layer * (moe_bytes_per_token(shape, precision) - 2 * c * m * h)
-    return norms + whole + split / tp + masks
+    return norms + whole + split / tp + masks + lora_layer_bytes_per_token(shape, precision, device=device, tp=tp)
 
 
 def norm_bytes_per_token(shape: Shape, precision: str) -> float:
     """What one norm saves per token. LayerNorm: its input (the residual stream, dtype ``r``) and two
     fp32 statistics. RMSNorm as transformers writes it (``x.float()``, ``x * rsqrt(mean(x^2) + eps)``,
     ``weight * x.to(dtype)``): the fp32 input (the residual itself in fp32 and under autocast, a copy
-    under bf16-true), the fp32 rsqrt and the normalised input in the parameters' dtype."""
+    under bf16-true), the fp32 rsqrt and the normalised input in the parameters' dtype (kept for the weight's
+    gradient: not with LoRA's frozen norms). LayerNorm's kernel keeps its input and statistics either way."""
     r = dtypes(precision)[1]
     h = shape.n_embd
+    if shape.rms_norm and shape.lora is not None and shape.lora_units()["norms_frozen"]:
+        return 4 * h + 4  # a frozen weight needs no normalised input for its gradient (LoRA)
     return 4 * h + 4 + r * h if shape.rms_norm else r * h + 8
 
 
@@ -193,7 +199,89 @@ def hf_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cud
         attention = 4 * 3 * h + c * h + scores_bytes(shape, precision, device=device, kernel=kernel) * a * s
     else:
         attention = c * 4 * h + scores_bytes(shape, precision, device=device, kernel=kernel) * a * s
-    return norms + whole + (attention + mlp) / tp
+    return norms + whole + (attention + mlp) / tp + lora_layer_bytes_per_token(shape, precision, device=device, tp=tp)
+
+
+def lora_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda", tp: int = 1) -> float:
+    """What LoRA (``shape.lora``, ``parallel/adapters/lora.py``) changes in what a block saves, per token (0 without
+    it; measured with ``saved_tensors_hooks`` on our GPT and a Llama, fp32 and bf16-mixed, every target set and
+    with dropout: tests/test_lora_costs.py). A frozen weight needs no input for its backward: ``x W^T``'s input
+    gradient is ``g W``, so a frozen linear keeps its weight (a parameter; under autocast its bf16 copy, which
+    ``weight_copy_bytes`` counts) but not its input. An adapted linear's ``lora_A`` keeps that input instead (the
+    same tensor in one dtype; under autocast its own cast, as the base linear's was), and ``lora_B`` keeps ``A``'s
+    output: ``c r`` per adapted linear. So per input a block's linears read (``counting.LINEAR_INPUTS``):
+
+        attention / MLP input     under autocast each frozen linear's own copy is gone (c x in each); in one dtype
+                                  the shared input is gone when every linear reading it is frozen
+        attention output          kept anyway by fused SDPA (its backward reads its output); the math and eager
+                                  paths' contiguous copy is gone with a frozen o-projection
+        MLP inner activation      gone with a frozen down-projection (c F)
+
+    With ``lora.dropout`` each adapted linear keeps the dropped input and its mask instead of the input itself
+    (under autocast: its cast of the dropped input and the mask). The first block, the head and the embedding
+    differ further where the embedding is frozen (``lora_model_bytes``)."""
+    if shape.lora is None:
+        return 0.0
+    lo = shape.lora_units()
+    c, r, autocast = dtypes(precision)
+    kernel = attention_kernel(shape, device, precision if shape.hf else None)
+    dropout = float(shape.lora.dropout)
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for _, n_in, _, state, group in lo["linears"]:
+        groups.setdefault(group, []).append((n_in, state))
+    # our GPT's formula counts one copy of each norm's output under autocast; each linear keeps its own (measured)
+    delta = (shape.colwise_inputs - 2) * c * shape.n_embd if autocast and not shape.hf else 0.0
+    for group, members in groups.items():
+        split = tp if group in ("attn_out", "mlp_out") else 1  # the row-parallel linears read a split input
+        n_in = members[0][0] / split
+        adapted = sum(1 for _, state in members if state == "adapted")
+        frozen = sum(1 for _, state in members if state == "frozen")
+        delta += adapted * c * lo["rank"]  # lora_B's input (A's output); whole under tp
+        kept_anyway = group == "attn_out" and kernel == "fused"
+        # the input's dtype: the norms' outputs are in the parameters' dtype (fp32 under autocast), the rest in c
+        x_bytes = r if group in ("attn_in", "mlp_in") else c
+        mask = n_in * (1 if device == "cuda" else x_bytes)
+        if autocast and group in ("attn_in", "mlp_in"):
+            delta -= c * n_in * frozen  # each linear casts (and keeps) its own copy: the frozen ones keep none
+            if dropout:
+                delta += adapted * mask  # A keeps its cast of the dropped input in place of the base's copy
+        elif dropout and adapted:
+            delta += adapted * (c * n_in + mask)  # the dropped input and its mask, per adapted linear
+            if adapted + frozen == len(members) and not kept_anyway:
+                delta -= c * n_in  # nothing reads the input itself for backward
+        elif frozen == len(members) and not kept_anyway:
+            delta -= c * n_in
+    return delta
+
+
+def lora_model_bytes(shape: Shape, precision: str, *, tp: int = 1, device: str = "cuda") -> tuple[float, float, float]:
+    """Where LoRA's frozen embedding and head save less than full fine-tuning, as (per token of the first block,
+    bytes of the first block, per token of the head): (0, 0, 0) without LoRA.
+
+    With the embedding frozen its output needs no gradient, so the first block's first norm saves nothing (its
+    input and statistics: ``norm_bytes``), and under autocast the first block's attention-input linears keep no
+    copy of their base weights (nothing upstream needs the input gradient they would compute); the embedding
+    saves nothing either (``embed_bytes_per_token`` is then 0); with ``lora.dropout`` the adapters of those linears
+    keep no dropout mask (their input needs no gradient). A frozen output layer keeps no input (its final norm's
+    output, c h per token; the chunked loss's checkpoint keeps it anyway). Not priced: target sets that leave every
+    attention-input linear of the first block frozen, where nothing before the first adapter saves anything (the
+    estimate is then high by up to one block's attention; tests/test_lora_costs.py)."""
+    if shape.lora is None:
+        return 0.0, 0.0, 0.0
+    lo = shape.lora_units()
+    c, r, autocast = dtypes(precision)
+    first_tokens = first_fixed = 0.0
+    if lo["embed_frozen"]:
+        first_tokens = norm_bytes_per_token(shape, precision) if shape.rms_norm else r * shape.n_embd + 8
+        if shape.lora.dropout:  # the masks of the attention-input adapters (their dropout's input needs no gradient)
+            first_tokens += sum(n_in * (1 if device == "cuda" else r) for _, n_in, _, state, group in lo["linears"]
+                                if group == "attn_in" and state == "adapted")
+        if autocast:
+            nf4 = shape.lora.base == "nf4"
+            first_fixed = sum(n_in * n_out for _, n_in, n_out, state, group in lo["linears"]
+                              if group == "attn_in" and not (nf4 and state == "adapted")) * 2 / tp
+    head = c * shape.n_embd if lo["head_frozen"] and not shape.loss_chunk else 0.0
+    return first_tokens, first_fixed, head
 
 
 def selective_layer_bytes_per_token(shape: Shape, precision: str, *, device: str = "cuda") -> float:
@@ -215,6 +303,9 @@ def selective_layer_bytes_per_token(shape: Shape, precision: str, *, device: str
         core = c * h + 4 * a
     else:
         core = c * a * s + c * h
+    if shape.lora is not None:  # an adapted linear's two more matmuls: A's output (r) and B's (the layer's width)
+        lo = shape.lora_units()
+        linears += sum(lo["rank"] + n_out for _, _, n_out, state, _ in lo["linears"] if state == "adapted")
     return r * h + c * linears + core
 
 
@@ -252,7 +343,8 @@ def head_bytes_per_token(shape: Shape, precision: str, *, tp: int = 1, loss_para
     The chunked loss (``shape.loss_chunk``) keeps no logits: each chunk saves only its input (the norm's output)."""
     c = dtypes(precision)[0]
     logits = 0.0 if shape.loss_chunk else 4 * shape.vocab_size / (tp if loss_parallel else 1)
-    return norm_bytes_per_token(shape, precision) + c * shape.n_embd + logits + 8
+    frozen_head = lora_model_bytes(shape, precision, tp=tp)[2]  # LoRA: a frozen output layer keeps no input
+    return norm_bytes_per_token(shape, precision) + c * shape.n_embd - frozen_head + logits + 8
 
 
 def loss_transient_bytes(shape: Shape, tokens: float, *, tp: int = 1, loss_parallel: bool = False) -> float:
@@ -265,6 +357,9 @@ def loss_transient_bytes(shape: Shape, tokens: float, *, tp: int = 1, loss_paral
 
 
 def embed_bytes_per_token(shape: Shape, precision: str, device: str = "cuda") -> float:
+    """The token ids (int64) and, with dropout, its mask; nothing for a frozen embedding (LoRA)."""
+    if shape.lora is not None and shape.lora_units()["embed_frozen"]:
+        return 0.0
     c = dtypes(precision)[0]
     return 8 + (shape.n_embd * (1 if device == "cuda" else c) if shape.dropout > 0 else 0)
 

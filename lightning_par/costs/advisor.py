@@ -70,7 +70,13 @@ NEAR = 0.05  # a plan whose peak is within 5% of the usable memory is said to be
 PROGRAM = "lightning-par"
 #: what an option of the printed command needs installed: (word prefix, extra, what for)
 EXTRAS = (("model=hf_", "hf", "transformers, for the Hugging Face model"),
-          ("model.optimizer=adamw8bit", "optim8bit", "torchao, for model.optimizer=adamw8bit (AdamW8bit)"))
+          ("model.optimizer=adamw8bit", "optim8bit", "torchao, for model.optimizer=adamw8bit (AdamW8bit)"),
+          ("model.lora.base=nf4", "lora", "torchao, for model.lora.base=nf4 (QLoRA's NF4 base)"))
+#: ``--finetune``: LoRA's default rank and alpha (PEFT's and torchtune's recipes: alpha = 2 x rank)
+LORA_RANK = 16
+#: ``--finetune``: a method that trains more (full fine-tuning, then LoRA, then QLoRA) is chosen when its plan fits and
+#: its predicted step is at most this many times the fastest plan of the methods that train less
+REASONABLE = 2.0
 
 
 #: where the advisor's disk-tier command puts the files (a node-local NVMe mount: edit to yours)
@@ -156,10 +162,35 @@ class Advice:
     cluster: Cluster | None = None
     budget: float = 0.0  # usable bytes per device (headroom x device memory)
     host_budget: float | None = None  # usable host bytes per node, where stated
+    #: ``--finetune``: every method weighed, (its name, its advice), full fine-tuning first; this one among them
+    methods: list[tuple[str, Advice]] = field(default_factory=list)
+
+    @property
+    def method(self) -> str:
+        """``full fine-tuning``, ``LoRA rank r`` or ``QLoRA rank r`` (the priced shape's ``lora``)."""
+        return method_name(self.shape)
 
     def headline(self) -> str:
-        """``Recommended: <the chosen row's label>`` (e.g. ``single 8-bit``), or that nothing fits."""
-        return f"Recommended: {self.chosen.label if self.chosen is not None else 'nothing fits'}"
+        """``Recommended: <the chosen row's label>`` (e.g. ``single 8-bit``), or that nothing fits; a fine-tune
+        (``methods``) adds the method (``single (QLoRA rank 16)``)."""
+        if self.chosen is None:
+            return "Recommended: nothing fits"
+        return f"Recommended: {self.chosen.label}" + (f" ({self.method})" if self.methods else "")
+
+    def methods_table(self) -> str:
+        """``--finetune``: each method's fastest plan that fits -- its peak per device, host memory, predicted step
+        and trainable parameters -- or that none fits (``Advice.methods``)."""
+        head = f"{'method':<34}{'trainable':>16}  {'plan':<28}{'peak GiB':>9}{'host GiB':>9}{'step s':>9}"
+        lines = [head, "-" * len(head)]
+        for name, a in self.methods:
+            mark = "> " if a is self else "  "
+            trains = a.shape.trainable() if a.shape is not None else 0
+            c = a.chosen
+            mark_ckpt = {True: " +ckpt", "selective": " +sel"}.get(c.checkpointing, "") if c else ""
+            plan = c.label + mark_ckpt if c else "nothing fits"
+            figures = f"{c.memory.peak / GIB:>9.2f}{c.host_bytes / GIB:>9.1f}{c.seconds:>9.3f}" if c else ""
+            lines.append(f"{mark + name:<34}{trains:>16,}  {plan:<28}{figures}")
+        return "\n".join(lines)
 
     def command(self) -> str:
         """The complete command: strategy, model, data and trainer overrides, each word quoted for a
@@ -180,7 +211,7 @@ class Advice:
         extras = self.extras()
         if not extras:
             return ""
-        return (f"pip install 'lightning_par[{','.join(e for e, _ in extras)}]'  ("
+        return (f"pip install 'lightning_par[{','.join(dict.fromkeys(e for e, _ in extras))}]'  ("
                 + "; ".join(why for _, why in extras) + ")")
 
     def memory_line(self) -> str:
@@ -287,7 +318,36 @@ def model_overrides(shape: Shape, preset: str | None, global_batch: int, pretrai
                f"+model.n_embd={shape.n_embd}", f"+model.n_head={shape.n_head}",
                f"+model.vocab_size={shape.vocab_size}", f"+model.block_size={shape.block_size or shape.seq_len}",
                f"+model.mlp_ratio={shape.mlp_ratio}", f"+model.bias={str(shape.bias).lower()}"]
-    return out + [f"data.seq_len={shape.seq_len}", f"data.global_batch_size={global_batch}"]
+    return out + lora_overrides(shape) + [f"data.seq_len={shape.seq_len}", f"data.global_batch_size={global_batch}"]
+
+
+def lora_overrides(shape: Shape) -> list[str]:
+    """The ``model.lora`` overrides of ``shape.lora`` (none without it): rank and alpha, the NF4 base, targets,
+    dropout and trained modules where they are not the defaults."""
+    lo = shape.lora
+    if lo is None:
+        return []
+    from lightning_par.parallel.adapters.lora import DEFAULT_TARGETS
+
+    alpha = int(lo.alpha) if float(lo.alpha).is_integer() else lo.alpha
+    out = [f"model.lora.rank={lo.rank}", f"model.lora.alpha={hydra_value(alpha)}"]
+    if lo.base != "none":
+        out.append(f"model.lora.base={lo.base}")
+    if tuple(lo.targets) != DEFAULT_TARGETS:
+        out.append(f"model.lora.targets={hydra_value(list(lo.targets))}")
+    if lo.dropout:
+        out.append(f"model.lora.dropout={hydra_value(lo.dropout)}")
+    if lo.train:
+        out.append(f"model.lora.train={hydra_value(list(lo.train))}")
+    return out
+
+
+def method_name(shape: Shape | None) -> str:
+    """``full fine-tuning``, ``LoRA rank r`` or ``QLoRA rank r`` (an NF4 base) of ``shape.lora``."""
+    lo = shape.lora if shape is not None else None
+    if lo is None:
+        return "full fine-tuning"
+    return f"{'QLoRA' if lo.base == 'nf4' else 'LoRA'} rank {lo.rank}"
 
 
 def describe(shape: Shape) -> list[str]:
@@ -323,7 +383,14 @@ def describe(shape: Shape) -> list[str]:
               f"learned positions ({shape.block_size or shape.seq_len})" if shape.learned_positions
               else f"rotary positions (up to {shape.block_size or shape.seq_len})"]
     parts += [f"{k}={v}" for k, v in shape.hf_fields.items()]
-    return [count, f"{what}: {', '.join(parts)}; {shape.seq_len}-token sequences"]
+    out = [count, f"{what}: {', '.join(parts)}; {shape.seq_len}-token sequences"]
+    if shape.lora is not None:
+        lo = shape.lora_units()
+        out.append(f"{method_name(shape)} (alpha {shape.lora.alpha:g}): {lo['trainable']:,} trainable parameters "
+                   f"({lo['trainable'] / u['total']:.2%}), adapters on {len(lo['linears'])} linears of every layer; the "
+                   + ("adapted linears' base weights in NF4, the rest frozen in the training dtype"
+                      if shape.lora.base == "nf4" else "rest frozen (weights only: no gradients, no optimizer states)"))
+    return out
 
 
 def _axis_bandwidth(mesh: dict[str, int], cluster: Cluster) -> dict[str, float]:
@@ -380,6 +447,17 @@ def _hf_refusal(shape: Shape, lo: Layout) -> str:
     return ""
 
 
+def _lora_refusal(shape: Shape, lo: Layout) -> str:
+    """Why the strategies would refuse ``lo`` for ``shape``'s LoRA ("" where they run it): QLoRA's NF4 base runs under
+    single, ddp, zero1, zero2, zero3, fsdp, hsdp and pipelines, not under tensor parallelism nor host offload
+    (``strategies/base.check_lora``)."""
+    if shape.lora is None or shape.lora.base != "nf4":
+        return ""
+    if lo.cpu_offload or lo.tp > 1:
+        return "QLoRA's NF4 base is not split by tensor parallelism nor offloaded to the host here"
+    return ""
+
+
 def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask, checkpointing: bool | str) -> Candidate | None:
     """One plan at one micro-batch size, with or without activation checkpointing, or None where it
     cannot run (a mesh or batch that does not divide, a layout the cost models do not price, a Hugging
@@ -389,7 +467,7 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask, checkpointin
         lo = layout(e.name, n, **option.layout)
     except ValueError:
         return None
-    if _hf_refusal(shape, lo):
+    if _hf_refusal(shape, lo) or _lora_refusal(shape, lo):
         return None
     mesh = lo.mesh
     if lo.gather_bytes and (lo.tp > 1 or lo.pp > 1) and mesh.get("dp_shard", 1) <= 1:
@@ -432,12 +510,13 @@ def _price(e: StrategyEntry, option: Option, micro: int, ask: _Ask, checkpointin
         comm = {}
     bandwidth = _axis_bandwidth(mesh, cluster)
     offloaded = u["total"] // max(1, lo.shard) if lo.cpu_offload else 0
+    offloaded_trainable = shape.trainable() // max(1, lo.shard) if lo.cpu_offload else 0
     disk_gbs = cluster.nvme_gbs / min(n, cluster.devices_per_node) if lo.disk_offload else None
     time = step_time(shape, traffic=e.comm, mesh={k: v for k, v in mesh.items() if v > 1},
                      global_batch=ask.global_batch, comm=comm, bandwidth_gbs=bandwidth, device=cluster.device,
                      compute_bytes=act_bytes, recompute=checkpointing, schedule=lo.schedule, micro_batches=steps,
                      virtual_stages=lo.virtual_stages, offloaded_params=offloaded, accumulate=steps,
-                     disk_gbs=disk_gbs)
+                     disk_gbs=disk_gbs, offloaded_trainable=offloaded_trainable)
     host = mem.offloaded * min(n, cluster.devices_per_node)
     disk = mem.on_disk * min(n, cluster.devices_per_node)
     fits = mem.peak <= ask.budget and (ask.host_budget is None or host <= ask.host_budget) and (
@@ -479,13 +558,19 @@ def _best(cands: list[Candidate]) -> Candidate:
 
 def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", optimizer: str = "adamw",
            micro_batch_size: int = 1, checkpointing: bool | None = None, headroom: float = 0.9,
-           preset: str | None = None, global_batch: int | None = None, pretrained: str | None = None) -> Advice:
+           preset: str | None = None, global_batch: int | None = None, pretrained: str | None = None,
+           finetune: bool = False, lora_rank: int = LORA_RANK) -> Advice:
     """The fastest plan that fits. ``checkpointing``: None prices every plan with no, selective and full
     activation checkpointing and keeps the fastest that fits (a plan that fits without it is not
     checkpointed); True (full) or False fixes it. ``global_batch``: sequences per optimizer step (None: one
     ``micro_batch_size`` per device, what data parallelism alone would train). ``preset`` /
     ``pretrained``: how the command names the model (``model=<preset>``; ``model.pretrained=<dir>``,
-    the directory ``shape`` was read from), else by its sizes."""
+    the directory ``shape`` was read from), else by its sizes. ``finetune``: the run fine-tunes ``shape``:
+    full fine-tuning, LoRA and QLoRA at ``lora_rank`` are each planned and one is chosen (``advise_finetune``)."""
+    if finetune:
+        return advise_finetune(shape, cluster, precision=precision, optimizer=optimizer,
+                               micro_batch_size=micro_batch_size, checkpointing=checkpointing, headroom=headroom,
+                               preset=preset, global_batch=global_batch, pretrained=pretrained, lora_rank=lora_rank)
     budget = cluster.device_memory_gb * GIB * headroom
     host_budget = cluster.host_memory_gb * GIB * headroom if cluster.host_memory_gb is not None else None
     g = global_batch or micro_batch_size * cluster.devices
@@ -530,7 +615,7 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
         if fitting:
             reasons.append("with AdamW's states in 8 bits (torchao AdamW8bit: 2 bytes per parameter instead of 8) "
                            f"{len(fitting)} plan{'s' if len(fitting) > 1 else ''} fit")
-    if not fitting:
+    if not fitting and shape.lora is None:  # (parallel/memory/tiling.py tiles plain linears, not LoRA's)
         tiled = _tiled_offload(ask, micro_batch_size, reasons)
         if tiled is not None:
             cands.append(tiled)
@@ -543,10 +628,47 @@ def advise(shape: Shape, cluster: Cluster, *, precision: str = "bf16-mixed", opt
         return Advice(None, [], reasons, 0, cands, model_overrides(shape, preset, g, pretrained), precision,
                       shape=shape, cluster=cluster, budget=budget, host_budget=host_budget)
     best = _best(fitting)
-    reasons += _why(best, fitting, cluster, ask.checkpointing is None)
+    reasons += _why(best, fitting, cluster, ask.checkpointing is None, shape)
     return Advice(best.strategy, best.overrides, reasons, best.memory.peak, cands,
                   model_overrides(shape, preset, best.global_batch, pretrained), precision, best, shape, cluster,
                   budget, host_budget)
+
+
+def advise_finetune(shape: Shape, cluster: Cluster, *, lora_rank: int = LORA_RANK, **kwargs: Any) -> Advice:
+    """``--finetune``: the fastest plan of full fine-tuning, of LoRA (rank ``lora_rank``, alpha twice it, the default
+    targets: attention and MLP projections) and of QLoRA (the same with its base in NF4), each by ``advise``; then
+    the method that trains the most among those whose plan fits at a reasonable speed: full fine-tuning when it
+    fits with a step at most ``REASONABLE`` times LoRA's and QLoRA's fastest, else LoRA by the same rule against
+    QLoRA, else QLoRA. The answer is the chosen method's advice (its command sets ``model.lora``), with every
+    method's in ``methods`` and the reasons for the choice first."""
+    from lightning_par.parallel.adapters.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank)
+    methods: list[tuple[str, Advice]] = []
+    for cfg in (None, lora, replace(lora, base="nf4")):
+        priced = shape.with_lora(cfg)
+        methods.append((method_name(priced), advise(priced, cluster, **kwargs)))
+    chosen, why = None, []
+    for i, (name, a) in enumerate(methods):
+        if a.chosen is None:
+            why.append(f"{name}: no plan fits")
+            continue
+        lighter = [b.chosen for _, b in methods[i + 1:] if b.chosen is not None]
+        fastest = min(lighter, key=lambda c: c.seconds) if lighter else None
+        if fastest is None or a.chosen.seconds <= REASONABLE * fastest.seconds:
+            chosen = a
+            why.append(f"{name} fits ({a.chosen.label}, {a.chosen.memory.peak / GIB:.1f} GiB per device, "
+                       f"{a.chosen.seconds:.3f} s per step"
+                       + (f": within {REASONABLE:g}x of the {fastest.seconds:.3f} s of a method that trains less"
+                          if fastest is not None else "") + "), so it is chosen")
+            break
+        why.append(f"{name} fits only at {a.chosen.seconds:.3f} s per step ({a.chosen.label}), more than "
+                   f"{REASONABLE:g}x the {fastest.seconds:.3f} s of a method that trains less")
+    if chosen is None:  # nothing fits: full fine-tuning's answer says why
+        chosen = methods[0][1]
+    chosen.methods = methods
+    chosen.reasons = [f"fine-tuning ({', '.join(n for n, _ in methods)} weighed): {'; '.join(why)}"] + chosen.reasons
+    return chosen
 
 
 def _priced_plans(fleet: Fleet, ask: _Ask, micro: int, eight_bit: bool = False) -> list[Candidate]:
@@ -594,9 +716,14 @@ def _pick(group: list[Candidate]) -> Candidate:
     return chosen
 
 
-def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster, weighed_checkpointing: bool) -> list[str]:
+def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster, weighed_checkpointing: bool,
+         shape: Shape) -> list[str]:
+    from lightning_par.costs.step_time import flops_per_token, forward_flops_per_token
+
     t = best.time
     assert t is not None
+    # the forward's share of a step's FLOPs: a third; more with LoRA's frozen base (no weight gradients)
+    fwd = forward_flops_per_token(shape) / flops_per_token(shape)
     n = len(fitting)
     out = [f"of the {n} plan{'s' if n > 1 else ''} that fit{'' if n > 1 else 's'}, {best.label} predicts the "
            f"shortest step: {t.total:.3f} s "
@@ -628,12 +755,13 @@ def _why(best: Candidate, fitting: list[Candidate], cluster: Cluster, weighed_ch
         out.append(f"{best.label} keeps its states in host memory: {best.host_bytes / GIB:.1f} GiB per node, {stated}")
     if best.peak_without_checkpointing is not None:
         cost = ("selective: matmul outputs kept, no matmul recomputed" if best.checkpointing == "selective" else
-                f"recomputing the forward adds {t.compute / 4:.3f} s of compute per step (a third of the plain step's)")
+                f"recomputing the forward adds {t.compute * fwd / (1 + fwd):.3f} s of compute per step "
+                f"({'a third' if abs(fwd - 1 / 3) < 1e-9 else f'{fwd:.0%}'} of the plain step's)")
         out.append(f"activation checkpointing: without it the peak would be {best.peak_without_checkpointing / GIB:.1f} "
                    f"GiB, over the usable memory; {cost}")
     elif not best.checkpointing and weighed_checkpointing:
         out.append(f"no activation checkpointing: the plan fits without it, and recomputing the forward would add "
-                   f"about {t.compute / 3:.3f} s of compute per step")
+                   f"about {t.compute * fwd:.3f} s of compute per step")
     if best.time.bubble:
         out.append(f"pipeline bubble: {100 * t.bubble / t.total:.0f}% of the step ({best.steps} micro-batches)")
     return out

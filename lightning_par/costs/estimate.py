@@ -11,7 +11,8 @@ On top of them ``costs/peak.py`` walks the step: activations (``costs/activation
 vs the math path, logits and fp32 loss buffers, dropout masks, checkpointing, pipeline micro-batches
 in flight, TP/SP sharding) and the transient buffers (ZeRO-2's full gradients, FSDP's all-gathered
 units with prefetch, the optimizer step's temporaries). ``peak`` (also ``total``) is what a device
-must hold; ``states`` is the paper's figure.
+must hold; ``states`` is the paper's figure. With LoRA (``Shape.lora``) Ψ's gradient and optimizer-state
+terms count the trainable parameters only (the adapters), and QLoRA's NF4 base weighs ``states.nf4_bytes``.
 
 What each strategy shards comes from the strategy catalogue (``strategies/catalog.py``:
 ``StrategyEntry.sharding`` and ``cost_layout``). ``mode=estimate`` and this model's command line
@@ -143,19 +144,23 @@ def estimate_traced(traced: Any, *, devices: int, strategy: str, layout_: Layout
                          f"(tp={lay.tp}, pp={lay.pp}, ep={lay.ep} split what was traced)")
     bwd, step = traced.backward, traced.step
     shard = lay.shard if lay.params_sharded or lay.opt_sharded or lay.grads in ("zero2", "fsdp") else 1
-    full_grads = traced.n_params * traced.param_bytes
+    # gradients exist for what trains (a LoRA model: its adapters), gathers move every parameter
+    trains = traced.n_params if traced.trainable is None else traced.trainable
+    unit_trains = traced.largest_unit if traced.largest_unit_trainable is None else traced.largest_unit_trainable
+    full_grads = trains * traced.param_bytes
     params = bwd.params / shard if lay.params_sharded else bwd.params
     opt = bwd.optimizer_state / shard if lay.opt_sharded else bwd.optimizer_state
     step_opt = step.optimizer_state / shard if lay.opt_sharded else step.optimizer_state  # states + temporaries
-    unit_grads = traced.largest_unit * traced.param_bytes
+    unit_grads = unit_trains * traced.param_bytes
     if lay.grads in ("accumulate",):
         grads_bwd, grads_step, extra = bwd.grads, full_grads, 0.0
     elif lay.grads == "bucket":  # DDP's buckets hold every gradient from the start
         grads_bwd, grads_step, extra = full_grads, full_grads, 0.0
     elif lay.grads == "zero2":  # the reduced shard and the staged buckets; chunks copied out for the gathers
-        staged = zero2_staged(lay, traced.param_bytes, traced.n_params, traced.largest_tensor)
+        staged = zero2_staged(lay, traced.param_bytes, trains, traced.largest_tensor if trains == traced.n_params
+                              else 0)
         grads_bwd, grads_step = full_grads / shard + min(bwd.grads, staged), full_grads / shard
-        extra = min(2 * lay.bucket_bytes, traced.n_params * traced.param_bytes / shard)
+        extra = min(2 * lay.bucket_bytes, trains * traced.param_bytes / shard)
     else:  # fsdp: reduce-scattered shards and the current unit's full gradient
         grads_bwd, grads_step, extra = bwd.grads / shard + unit_grads, full_grads / shard, 0.0
     gathered = 0.0
@@ -207,6 +212,11 @@ def estimate_table(model: Any, *, devices: int, precision: str = "bf16-mixed", o
                 else "one training step traced on fake tensors (costs/traced.py, CPU kernels)" if traced
                 else "activations not estimated (no model shape)")
              + "; peak = the step's largest moment (costs/peak.py), not the columns' sum"]
+    if shape is not None and shape.lora is not None:
+        lo = shape.lora_units()
+        lines.append(f"LoRA rank {shape.lora.rank}: {lo['trainable']:,} of the parameters train (gradients and "
+                     "optimizer state); the rest are frozen weights"
+                     + (", the adapted linears' in NF4 (QLoRA)" if shape.lora.base == "nf4" else ""))
     widths = [max(len(c), 9) for c in COLUMNS]
     header = f"{'strategy':<24}{'micro':>6}" + "".join(f"  {c:>{w}}" for c, w in zip(COLUMNS, widths))
     if device_memory is not None:

@@ -20,17 +20,21 @@ the gathered units, one unit's gradient and the activations. On a CPU (``device=
 the device: ``peak`` then includes the offloaded states, and the host's optimizer step (the states and
 foreach Adam's state-sized temporary) is one of its moments. With the disk tier (``offload_dir``) they
 live in files (``on_disk``) and host memory holds the optimizer step's chunks (``states.disk_tier_resident``).
+
+With LoRA (``shape.lora``) gradients, optimizer states and their sharding follow the trainable parameters only
+(``lora_states``: the adapters), the frozen ones are weights only, NF4 under ``lora.base=nf4`` (gathered so by
+FSDP), and the activations are ``activations.lora_layer_bytes_per_token``'s and ``lora_model_bytes``'.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_par.costs import activations as act
 from lightning_par.costs.counting import tiled_part
 from lightning_par.costs.shape import Shape
 from lightning_par.parallel.memory.checkpointing import checkpointed_share
-from lightning_par.costs.states import bytes_per_param, disk_tier_resident, optimizer_state_bytes
+from lightning_par.costs.states import bytes_per_param, disk_tier_resident, nf4_bytes, optimizer_state_bytes
 # what a rank holds is declared by the strategy catalogue; this module prices it
 from lightning_par.parallel.layout import GRAD_MODES, Layout  # noqa: F401 -- re-exported
 
@@ -96,12 +100,18 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     shard = lay.shard if lay.params_sharded or lay.opt_sharded or lay.grads in ("zero2", "fsdp") else 1
     experts = layers * expert_part  # sharded over their own data axis (expert parallelism x FSDP)
     psi_shard = -(-int(local - experts) // shard) + -(-int(experts) // (lay.expert_shard or shard))
-    params = p * (psi_shard if lay.params_sharded else local)
-    opt_elems = psi_shard if lay.opt_sharded else int(local)
+    # what trains (LoRA: the adapters; else every parameter) gets gradients and optimizer states; the frozen rest
+    # is weights only, and with lora.base=nf4 the adapted linears' base weights are NF4 (``lora_states``)
+    t = lora_states(shape, lay, p, has_embed, has_head, layers, embed, block, head, precision)
+    trainable, t_shard = t.local, (-(-int(t.local) // shard) if t.lora else psi_shard)
+    params = p * (psi_shard if lay.params_sharded else local) - t.nf4_saved / (shard if lay.params_sharded else 1)
+    if lay.params_sharded:  # an NF4 shard keeps its tensor's scalers' mean and code table whole
+        params += t.nf4_replicated * (1 - 1 / shard)
+    opt_elems = t_shard if lay.opt_sharded else int(trainable)
     opt = optimizer_state_bytes(opt_elems, optimizer, precision)
-    grads_steady = g * (psi_shard if lay.grads in ("zero2", "fsdp") else local)
+    grads_steady = g * (t_shard if lay.grads in ("zero2", "fsdp") else trainable)
     if lay.grads == "accumulate" or lay.unsharded_grads:
-        grads_steady = g * local  # held between backward and the step (freed by zero_grad)
+        grads_steady = g * trainable  # held between backward and the step (freed by zero_grad)
     host = 0
     host_temp = 0.0
     if lay.cpu_offload:
@@ -126,6 +136,8 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     if shape.n_moe_layers:  # the average layer: an MoE layer multiplies by its router, shared expert and local experts
         share = shape.n_moe_layers / shape.n_layer
         matmul += share * (u["moe_matmul"] + u["moe_experts"] / lay.ep - u["block_matmul"])
+    # LoRA: autocast copies of the adapters too; an NF4 weight is dequantised for each use and saved as NF4 (none)
+    matmul += t.copies_extra
     copies = act.weight_copy_bytes(int(matmul), precision, tp)
     full_layer = lt * tokens + copies  # what a block saves without checkpointing
     if ckpt:
@@ -142,7 +154,10 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
     head_saved = (act.head_bytes_per_token(shape, precision, tp=tp, loss_parallel=lay.loss_parallel) * tokens
                   + act.weight_copy_bytes(u["lm_head"], precision, tp)) if has_head else 0
     embed_saved = act.embed_bytes_per_token(shape, precision, device) * tokens if has_embed else 0
-    saved_all = in_flight * (layers * keep + embed_saved) + head_saved
+    # LoRA with a frozen embedding: the first block's first norm (and its autocast weight copies) save nothing
+    first_tokens, first_fixed, _ = act.lora_model_bytes(shape, precision, tp=tp, device=device)
+    first_less = first_tokens * tokens + first_fixed if has_embed and not ckpt and not selective else 0.0
+    saved_all = in_flight * (layers * keep + embed_saved - first_less) + head_saved
 
     # all-gathered parameters (FSDP): root unit kept from forward to backward + current and prefetched units
     gathered_root = gathered_unit = 0.0
@@ -157,15 +172,21 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
         if shard == 1 and not lay.cpu_offload:
             gathered_root = gathered_unit = 0.0
 
+    if gathered_unit and t.nf4_unit_elems and unit_max == block_unit:  # a block gathered with its weights in NF4
+        gathered_unit -= (gb * t.nf4_unit_elems - t.nf4_unit_bytes) * (1 + lay.prefetch)
+
     base = params + opt + (CUBLAS_WORKSPACES if device == "cuda" else 0)
     largest = max(u["embed_table"] if has_embed else 0, u["lm_head"] if has_head else 0, u["block_linear"]) / tp
+    if t.lora:
+        largest = t.largest
     moments = {}
     # backward at the loss (head): all activations, the loss buffers
-    done = 0.0  # parameters whose gradients exist
-    for name, saved_now, transient, unit_params in _backward_units(
-            shape, lay, has_embed, has_head, layers, in_flight, keep, recomputed, embed_saved,
-            head_saved, tokens, precision, tp, head, block, embed):
-        grads_now = _grads_during_backward(lay, g, local, psi_shard, done, min(unit_params, unit_max), largest)
+    done = 0.0  # trainable parameters whose gradients exist
+    for name, saved_now, transient, unit_params, unit_trainable in _backward_units(
+            shape, lay, has_embed, has_head, layers, in_flight, keep, recomputed, embed_saved - first_less,
+            head_saved, tokens, precision, tp, head, block, embed, t):
+        grads_now = _grads_during_backward(lay, g, trainable, t_shard, done,
+                                           unit_trainable * min(1.0, unit_max / max(unit_params, 1)), largest)
         # (the chunked loss keeps the root gathered from forward to backward: parallelize)
         if name == "loss" and lay.grads == "fsdp" and lay.reshard_after_forward and gathered_root and not shape.loss_chunk:
             # the loss runs after the root's forward resharded every unit (this repository reshards the
@@ -178,14 +199,14 @@ def _stage_peak(shape: Shape, lay: Layout, role: str, micro: int, precision: str
             moments["backward head"] = base + held + saved_now + 2 * gathered_root
         else:
             moments[f"backward {name}"] = base + grads_now + saved_now + transient + gathered_root + gathered_unit
-        done += unit_params
+        done += unit_trainable
     # the optimizer step
     temp = 0.0
     if lay.cpu_offload:
         pass  # the step runs on the host
     elif lay.grads == "zero2":  # AdamW's temporary, or the chunks copied out for two buckets' all-gathers
         adam = opt / 2 if optimizer in ("adamw", "adam") and device == "cpu" else 0.0
-        temp = max(min(2 * lay.bucket_bytes, p * psi_shard), adam)
+        temp = max(min(2 * lay.bucket_bytes, p * t_shard), adam)
     elif optimizer in ("adamw", "adam") and device == "cpu":
         temp = opt / 2  # foreach: one state-sized temporary (sqrt of v)
     moments["optimizer step"] = base + grads_steady + temp
@@ -263,19 +284,69 @@ _GPT = Shape(1, 1, 1, 1, 1)
 
 
 def _backward_units(shape, lay, has_embed, has_head, layers, in_flight, keep, recomputed, embed_saved, head_saved,
-                    tokens, precision, tp, head, block, embed):
-    """(name, activations alive, transient, unit parameters) for each unit in backward order."""
+                    tokens, precision, tp, head, block, embed, t):
+    """(name, activations alive, transient, unit parameters, of them trainable) for each unit in backward order.
+    ``embed_saved``: what the embedding saves, less (LoRA) what the first block saves less than the others."""
     below = in_flight * embed_saved
     if has_head:
         loss = act.loss_transient_bytes(shape, tokens, tp=tp, loss_parallel=lay.loss_parallel)
-        yield "loss", below + in_flight * layers * keep + head_saved, loss, head
-    inner = act.layer_backward_transient_per_token(shape, precision, tp) * tokens
+        yield "loss", below + in_flight * layers * keep + head_saved, loss, head, t.head
+    # QLoRA: each NF4 linear dequantises its weight for its input gradient (torchao's LinearNF4)
+    inner = act.layer_backward_transient_per_token(shape, precision, tp) * tokens + t.dequantised
     for i in range(layers, 0, -1):
         # a checkpointed block's activations, recomputed for its backward (0 without checkpointing)
         alive = below + in_flight * i * keep + recomputed
-        yield f"block {i - 1}", alive, inner, block
+        yield f"block {i - 1}", alive, inner, block, t.block
     if has_embed:
-        yield "embedding", below, 0.0, embed
+        yield "embedding", max(0.0, below), 0.0, embed, t.embed
+
+
+@dataclass(frozen=True)
+class LoRAStates:
+    """What trains on one pipeline stage (before data-parallel sharding) and what NF4 saves: ``lora_states``."""
+
+    lora: bool
+    local: float  # trainable parameters on the stage
+    embed: float
+    block: float
+    head: float
+    largest: float  # the largest trainable tensor
+    nf4_saved: float = 0.0  # bytes the NF4 base saves against its weights in the parameters' dtype, on the stage
+    nf4_unit_elems: float = 0.0  # one block's NF4 weights: elements
+    nf4_unit_bytes: float = 0.0  # and bytes
+    nf4_replicated: float = 0.0  # of the stage's NF4 bytes, those every FSDP shard keeps whole (per tensor: 17 values)
+    copies_extra: float = 0.0  # autocast weight copies of a block: + adapters, - NF4 weights
+    dequantised: float = 0.0  # the largest NF4 weight dequantised for its matmul (bytes)
+
+
+def lora_states(shape: Shape, lay: Layout, p: float, has_embed: bool, has_head: bool, layers: int,
+                embed: float, block: float, head: float, precision: str = "32-true") -> LoRAStates:
+    """The trainable parameters of a stage by part (LoRA: the adapters and ``lora.train``'s modules, split by tp as
+    their base layer's plan splits them: ``counting.lora_units``; without LoRA: every parameter) and, with
+    ``lora.base=nf4``, what storing the adapted linears' base weights as torchao NF4 saves (``states.nf4_bytes``:
+    about 0.52 bytes per value instead of ``p``), per stage and per block (FSDP gathers a block's NF4 weights as
+    NF4), and the one dequantised weight each NF4 linear makes for its matmul in forward and backward (torchao's
+    ``LinearNF4``: ``weight.to(input.dtype)``, in the parameters' dtype, and under autocast the matmul's cast of it
+    to the compute dtype). ``embed`` / ``block`` / ``head``: the stage's parameters by part (what trains without
+    LoRA)."""
+    tp = lay.tp
+    if shape.lora is None:
+        return LoRAStates(False, embed + layers * block + head, embed, block, head, 0.0)
+    lo = shape.lora_units()
+    block = lo["block_trainable_split"] / tp + lo["block_trainable"] - lo["block_trainable_split"]
+    embed = lo["embed_trainable"] / tp if has_embed else 0.0  # (a trained embedding or head: split like its base)
+    head = (lo["head_trainable"] - (lo["tied_trainable"] if has_embed else 0)) / tp if has_head else 0.0
+    out = LoRAStates(True, embed + layers * block + head, embed, block, head, lo["largest_trainable"],
+                     copies_extra=lo["block_lora"])
+    if shape.lora.base != "nf4":
+        return out
+    c, _, autocast = act.dtypes(precision)
+    elems = sum(n / tp for n in lo["block_adapted_numels"])
+    stored = sum(nf4_bytes(int(n // tp), int(p)) for n in lo["block_adapted_numels"])
+    return replace(out, nf4_saved=layers * (p * elems - stored), nf4_unit_elems=elems, nf4_unit_bytes=stored,
+                   nf4_replicated=layers * len(lo["block_adapted_numels"]) * 17 * p,
+                   copies_extra=lo["block_lora"] - lo["block_adapted"],
+                   dequantised=(p + (c if autocast else 0)) * max(lo["block_adapted_numels"]) / tp)
 
 
 #: ZeRO-2's reduce-scatter buckets alive during backward: ``Zero2Optimizer``'s two in flight and the one filling

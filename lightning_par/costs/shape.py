@@ -119,6 +119,10 @@ class Shape:
     #: the attention backend (``models/attention.py``'s names): ``eager`` and ``sdpa_math`` keep the s x s
     #: softmax output per head (``activations.attention_kernel``); sdpa lets torch pick the kernel
     attn_implementation: str = "sdpa"
+    #: low-rank adapters on a frozen model (``model.lora``: a ``parallel/adapters/lora.LoRAConfig``; None: full
+    #: fine-tuning). What trains, what is frozen and what is stored in NF4 is counted from the model built on the
+    #: meta device with the adapters applied (``counting.lora_units``)
+    lora: Any = None
 
     @property
     def hf(self) -> bool:
@@ -185,8 +189,9 @@ class Shape:
     def of_model(cls, module: Any, seq_len: int | None = None) -> Shape | None:
         """The shape a model declares (``cost_shape(seq_len)``: ``{"family": "gpt" | "hf", "config": ...,
         "seq_len": ...}``, read by ``of_gpt`` / ``of_hf``), at ``seq_len`` (None: the longest sequence the
-        model takes); None for a model that declares none. ValueError for a declared family the cost
-        model does not price (``of_hf``: ``HF_ARCHS``)."""
+        model takes), with the model's LoRA (``module.lora``: ``with_lora``); None for a model that declares none,
+        and for LoRA on an MoE model (not priced op by op). ValueError for a declared family the cost model does not
+        price (``of_hf``: ``HF_ARCHS``)."""
         declare = getattr(module, "cost_shape", None)
         if declare is None:
             return None
@@ -196,9 +201,27 @@ class Shape:
             raise ValueError(f"{type(module).__name__}.cost_shape: unknown family {declared['family']!r} "
                              f"(choose from: gpt, hf)")
         shape = read(declared["config"], declared.get("seq_len"))
-        return dataclasses.replace(shape, loss_chunk=int(declared.get("loss_chunk") or 0),
-                                   attn_implementation=str(declared.get("attn_implementation")
-                                                           or shape.attn_implementation))
+        shape = dataclasses.replace(shape, loss_chunk=int(declared.get("loss_chunk") or 0),
+                                    attn_implementation=str(declared.get("attn_implementation")
+                                                            or shape.attn_implementation))
+        # LoRA is read here, the one place: every model of ``models/module.py`` carries ``lora`` (None: off)
+        lora = getattr(module, "lora", None)
+        if lora is not None and shape.n_experts:
+            return None  # LoRA on an MoE model is not priced op by op: no shape (mode=estimate traces it)
+        return shape.with_lora(lora)
+
+    def with_lora(self, lora: Any) -> Shape:
+        """This shape with ``lora`` (a ``LoRAConfig``, a ``model.lora`` mapping, or None: full fine-tuning).
+        ValueError where the cost model does not price it (``counting.lora_units``: an MoE model; targets that
+        match no linear)."""
+        if lora is not None and not hasattr(lora, "matches"):
+            from lightning_par.parallel.adapters.lora import lora_option
+
+            lora = lora_option(lora)
+        shape = dataclasses.replace(self, lora=lora or None)
+        if shape.lora is not None:
+            counting.lora_units(shape)  # refuses here, in one line, what it cannot count
+        return shape
 
     @classmethod
     def of_hf(cls, config: Any, seq_len: int | None = None) -> Shape:
@@ -290,6 +313,34 @@ class Shape:
     def param_tensors(self) -> int:
         """Parameter tensors of the dense model (``counting.param_tensors``)."""
         return counting.param_tensors(self)
+
+    def lora_units(self) -> dict[str, Any]:
+        """What LoRA trains and freezes (``counting.lora_units``); {} without LoRA."""
+        return counting.lora_units(self) if self.lora is not None else {}
+
+    def trainable(self) -> int:
+        """Parameters that train (get gradients and optimizer states): every one without LoRA."""
+        return self.lora_units()["trainable"] if self.lora is not None else self.units()["total"]
+
+    def tp_trainable(self, tp: int = 1) -> int:
+        """Parameters one tensor-parallel rank trains (``counting.tp_trainable``)."""
+        return counting.tp_trainable(self, tp)
+
+    def trainable_tensors(self) -> int:
+        """Parameter tensors that train (ZeRO-2's per-tensor flags): every one without LoRA."""
+        return self.lora_units()["trainable_tensors"] if self.lora is not None else self.param_tensors()
+
+    def nf4_weights(self, dtype_bytes: int, tp: int = 1, *, gathered: bool = False) -> tuple[int, int]:
+        """(elements, bytes) of the weights stored in NF4 on one tensor-parallel rank: with ``lora.base=nf4``
+        the adapted linears' base weights, every layer's (``states.nf4_bytes``, scales in ``dtype_bytes``;
+        ``gathered``: the bytes FSDP all-gathers of them); (0, 0) otherwise."""
+        if self.lora is None or self.lora.base != "nf4":
+            return 0, 0
+        from lightning_par.costs.states import nf4_bytes
+
+        numels = self.lora_units()["block_adapted_numels"]
+        return (self.n_layer * sum(n // tp for n in numels),
+                self.n_layer * sum(nf4_bytes(n // tp, dtype_bytes, gathered=gathered) for n in numels))
 
     @property
     def norm_params(self) -> int:

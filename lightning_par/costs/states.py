@@ -91,3 +91,27 @@ def disk_tier_resident(states_bytes: float, elems: float, largest_elems: float,
         return 0
     chunk = max(chunk_bytes / param_bytes, largest_elems)
     return int(min(states_bytes, 3 * chunk * states_bytes / elems))
+
+
+def nf4_bytes(numel: int, dtype_bytes: int, *, gathered: bool = False) -> int:
+    """Bytes of one weight of ``numel`` elements stored as torchao's ``NF4Tensor`` (torchao 0.18, ``nf4_tensor.py``)
+    with the block sizes QLoRA's ``lora.base=nf4`` gives it (``parallel/adapters/lora.nf4_blocks``: 64 values per
+    block, up to 256 blocks per scale group): the packed codes (n / 2, uint8), the blocks' int8 scalers (n / 64), one
+    scale per group and the scalers' mean in the weight's dtype, and the 16-entry code table in that dtype (each
+    tensor its own): about 0.52 bytes per value. Storage bytes, as the memory callback counts them: a weight of one
+    group keeps its group's row of scales. ``gathered``: what FSDP2 all-gathers of it (torchao's
+    ``fsdp_pre_all_gather``: the codes, the scalers and the group scales). Checked to the byte against the
+    tensors' storages and a run's all-gathers (tests/test_lora_costs.py). A weight NF4 cannot hold (its size not a
+    multiple of 64) is counted in its dtype."""
+    from lightning_par.parallel.adapters.lora import nf4_blocks
+
+    try:
+        block, per_group = nf4_blocks(numel)
+    except ValueError:
+        return numel * dtype_bytes
+    blocks = numel // block
+    groups = blocks // per_group
+    if gathered:
+        return numel // 2 + blocks + dtype_bytes * groups
+    # the group scales: a view of a (groups, per_group) tensor, copied out where there are several
+    return numel // 2 + blocks + dtype_bytes * ((groups if groups > 1 else per_group) + 1 + 16)

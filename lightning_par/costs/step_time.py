@@ -23,6 +23,10 @@
   transfers per micro-batch and stage), which dominates for small models. ``Device.overlap`` is the
   share of the overlappable traffic a device really hides: 1 on a GPU (its own streams), 0 on a CPU
   with gloo, whose collectives take the cores the matmuls need -- then every call's latency counts.
+- **QLoRA** (``lora.base=nf4``): each use of an NF4 weight (forward, the input gradient in backward, a
+  recomputed forward) dequantises it first (torchao's ``LinearNF4``), a memory-bound pass that reads its codes
+  and scalers and writes, then the matmul reads, the weight in the compute dtype (``NF4_PASS_BYTES`` per
+  element) at ``Device.memory_gbs``, on the critical path.
 - **bubble**: a pipeline rank idles ``f / (1 - f)`` of its compute, ``f`` the schedule's theoretical
   bubble fraction (``parallel/pipeline.theoretical_bubble``: ``(p-1)/(m+p-1)`` for GPipe/1F1B,
   ``(p-1)/(v m+p-1)`` interleaved).
@@ -63,6 +67,11 @@ OVERLAPPED: dict[str, frozenset[str]] = {
 }
 
 
+#: bytes one use of an NF4 weight moves per element: its codes and scalers read (about 0.52), the dequantised weight
+#: written and read again by the matmul (2 + 2, bf16)
+NF4_PASS_BYTES = 4.5
+
+
 def overlapped(traffic: str, kind: str, axis: str) -> bool:
     """Whether ``traffic``'s collective ``kind`` over ``axis`` runs beside compute."""
     return axis not in ("tp", "pp") and kind in OVERLAPPED[traffic]
@@ -83,6 +92,7 @@ class Device:
     # streams and copy engines); on a CPU with gloo the collectives use the cores the matmuls need: 0
     #: dense float8 TFLOP/s (an H100 SXM's 1979: twice its bf16); None: no float8 matmuls (emulated, no faster)
     float8_tflops: float | None = 1979.0
+    memory_gbs: float = 3350.0  # device memory bandwidth, GB/s (an H100 SXM's HBM3): QLoRA's dequantisation
 
 
 @dataclass(frozen=True)
@@ -108,15 +118,41 @@ class StepTime:
 
 
 def flops_per_token(shape: Shape) -> float:
-    """Training FLOPs (forward + backward) per token of ``shape`` at its sequence length."""
+    """Training FLOPs (forward + backward) per token of ``shape`` at its sequence length.
+
+    With LoRA (``shape.lora``) a frozen weight skips its weight-gradient matmul: 4 FLOPs per weight and token
+    (forward 2, input gradient 2) instead of 6; the adapters take 6 per weight (A and B train); and where the
+    embedding is frozen the first block's attention-input linears (and their A adapters) need no input gradient
+    either (2: nothing before them trains) -- equal to torch's FLOP counter's count of a step on our GPT and a
+    Llama, attention aside (tests/test_lora_costs.py)."""
     u = shape.units()
+    attention = 4 * shape.seq_len * shape.n_embd * shape.n_layer  # QK^T and AV, forward
+    if shape.lora is not None:
+        lo = shape.lora_units()
+        whole = sum(n_in * n_out for _, n_in, n_out, state, _ in lo["linears"] if state == "whole")
+        block = 4 * u["block_matmul"] + 2 * whole + 6 * lo["block_lora"]
+        head = (4 if lo["head_frozen"] else 6) * u["lm_head"]
+        # the first block's attention-input linears and their A adapters compute no input gradient
+        first = 2 * sum(n_in * (n_out + (lo["rank"] if state == "adapted" else 0))
+                        for _, n_in, n_out, state, group in lo["linears"]
+                        if group == "attn_in" and state != "whole") if lo["embed_frozen"] else 0
+        return shape.n_layer * block + head - first + 3 * attention
     dense_layers = shape.n_layer - shape.n_moe_layers
     weights = dense_layers * u["block_matmul"] + u["lm_head"]
     if shape.n_moe_layers:
         per_expert = u["moe_experts"] / shape.n_experts
         weights += shape.n_moe_layers * (u["moe_matmul"] + shape.top_k * per_expert)
-    attention = 4 * shape.seq_len * shape.n_embd * shape.n_layer  # QK^T and AV, forward
     return 3 * (2 * weights + attention)
+
+
+def forward_flops_per_token(shape: Shape) -> float:
+    """The forward's share of ``flops_per_token`` (what activation checkpointing runs again): a third of it
+    without LoRA; with it 2 per weight and adapter weight, and attention's forward."""
+    if shape.lora is None:
+        return flops_per_token(shape) / 3
+    u = shape.units()
+    return (2 * (shape.n_layer * (u["block_matmul"] + shape.lora_units()["block_lora"]) + u["lm_head"])
+            + 4 * shape.seq_len * shape.n_embd * shape.n_layer)
 
 
 def float8_flops_per_token(shape: Shape) -> float:
@@ -151,7 +187,7 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
               bandwidth_gbs: dict[str, float], device: Device, compute_bytes: int = 2, recompute: bool | str = False,
               schedule: str = "1f1b", micro_batches: int = 1, virtual_stages: int = 1,
               offloaded_params: int = 0, accumulate: int = 1, disk_gbs: float | None = None,
-              float8: bool = False) -> StepTime:
+              float8: bool = False, offloaded_trainable: int | None = None) -> StepTime:
     """The step time of one plan. ``traffic``: the strategy's traffic model (``StrategyEntry.comm``);
     ``mesh``: axis sizes (``pp``, ``tp``, ``ep``, ``dp_*``); ``global_batch``:
     sequences per optimizer step over the whole job; ``comm``: ``costs/comm.step_comm_bytes``'s bytes;
@@ -160,18 +196,22 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
     of this rank's shard kept in host memory (ZeRO-3 offload); ``accumulate``: forwards per step;
     ``disk_gbs``: the offloaded states are in files (the disk tier), read and written at this rank's GB/s;
     ``float8``: the dense blocks' linear layers compute in float8 (``model.float8``), at the device's float8
-    peak and the same efficiency (no change where the device has none: emulated)."""
+    peak and the same efficiency (no change where the device has none: emulated); ``offloaded_trainable``: of
+    ``offloaded_params``, those that train (LoRA: the adapters), whose gradients come back and whose host step
+    runs (None: all)."""
     devices = 1
     for size in mesh.values():
         devices *= int(size)
     tp, pp = int(mesh.get("tp", 1)), int(mesh.get("pp", 1))
     peak = device.peak_tflops * 1e12 * (1.0 if compute_bytes <= 2 else 0.5)
     model_flops = flops_per_token(shape) * shape.seq_len * global_batch
-    # full checkpointing recomputes the forward (2 of 6 FLOPs per parameter-token); selective recomputes no
-    # matmul (its pointwise recomputation is memory-bound time this FLOP model does not see)
-    factor = 4 / 3 if recompute in (True, "full") else 1.0
+    # full checkpointing recomputes the forward (2 of 6 FLOPs per parameter-token; with LoRA's frozen base 2 of
+    # about 4); selective recomputes no matmul (its pointwise recomputation is memory-bound time this FLOP model
+    # does not see)
+    forward = 1 / 3 if shape.lora is None else forward_flops_per_token(shape) / flops_per_token(shape)
+    factor = 1 + forward if recompute in (True, "full") else 1.0
     if type(recompute) is int and recompute >= 2:  # every k-th block recomputed: that share of a forward
-        factor = 1 + checkpointed_share(shape.n_layer, recompute) / 3
+        factor = 1 + checkpointed_share(shape.n_layer, recompute) * forward
     rank_flops = model_flops / devices * factor
     if shape.loss_chunk:  # the chunked loss checkpoints each chunk: the head's forward matmul runs again in backward
         rank_flops += recomputed_head_flops(shape) * global_batch / devices
@@ -180,6 +220,11 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
         fast = float8_flops_per_token(shape) * shape.seq_len * global_batch / devices * factor
     compute = (rank_flops - fast) / (peak * device.efficiency) + fast / (device.float8_tflops * 1e12 * device.efficiency
                                                                          if fast else 1.0)
+    nf4 = shape.nf4_weights(compute_bytes, tp)[0] / pp  # QLoRA: this rank's NF4 weights, dequantised at each use
+    if nf4:
+        forwards_ = micro_batches if pp > 1 else accumulate
+        uses = forwards_ * (2 + (factor - 1) / forward if shape.lora is not None and factor > 1 else 2)
+        compute += uses * nf4 * NF4_PASS_BYTES / (device.memory_gbs * 1e9)
     axes = {**mesh, "world": devices}
     hidden = exposed = 0.0
     for kind, by_axis in comm.items():
@@ -197,13 +242,14 @@ def step_time(shape: Shape, *, traffic: str, mesh: dict[str, int], global_batch:
         bubble = compute * f / (1 - f)
     offload = 0.0
     if offloaded_params:
-        copies = (2 * accumulate * compute_bytes + 4) * offloaded_params / (device.host_link_gbs * 1e9)
+        trains = offloaded_params if offloaded_trainable is None else offloaded_trainable
+        copies = (2 * accumulate * compute_bytes * offloaded_params + 4 * trains) / (device.host_link_gbs * 1e9)
         hidden += copies
         # the host Adam step reads parameters, gradients and both moments and writes three of them back
-        offload = 28 * offloaded_params / (device.host_adam_gbs * 1e9)
-        if disk_gbs is not None:
-            hidden += 16 * accumulate * offloaded_params / (disk_gbs * 1e9)  # gathers' reads, gradient accumulation
-            offload = max(offload, 32 * offloaded_params / (disk_gbs * 1e9))  # paged step: every state in and out
+        offload = 28 * trains / (device.host_adam_gbs * 1e9)
+        if disk_gbs is not None:  # gathers' reads, gradient accumulation; the paged step: every state in and out
+            hidden += (8 * accumulate * offloaded_params + 8 * accumulate * trains) / (disk_gbs * 1e9)
+            offload = max(offload, 32 * trains / (disk_gbs * 1e9))
     exposed += max(0.0, device.overlap * hidden - compute) + (1 - device.overlap) * hidden
     forwards = micro_batches if pp > 1 else accumulate
     calls = 0

@@ -69,6 +69,9 @@ class TracedStep:
     micro_batch: int
     seq_len: int | None
     largest_tensor: int = 0  # elements of the largest parameter (ZeRO-2: a bucket of its own when larger)
+    #: of ``n_params``, those that train (LoRA: the adapters; None: all), and of the largest block's
+    trainable: int | None = None
+    largest_unit_trainable: int | None = None
 
     @property
     def peak(self) -> int:
@@ -267,6 +270,7 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
     moments = []
     with mode, _hf_masks_as_for_real_tensors():
         tracker = MemTracker()  # forward and backward of a first step: no optimizer state exists yet
+        _frozen_unhooked(tracker, module)
         tracker.track_external(module, opt)
         with tracker:
             with _precision_context(precision, "cpu"):
@@ -275,6 +279,7 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
         moments.append(Moment.of(tracker.get_tracker_snapshot("peak")))
         opt.step()  # creates the optimizer's states, which the next tracker registers as such
         tracker = MemTracker()
+        _frozen_unhooked(tracker, module)
         tracker.track_external(module, opt)
         with tracker:  # a steady-state optimizer step: parameters, gradients, states and its temporaries
             opt.step()
@@ -283,5 +288,21 @@ def trace_step(module: Any, micro_batch: int, *, precision: str = "32-true", seq
         held = Moment.of(tracker.get_tracker_snapshot("current")).optimizer_state  # the states alone, kept
     step = moments[1]  # its optimizer_state: the states and the step's temporaries (foreach Adam: one more)
     backward = replace(moments[0], optimizer_state=held)  # the states are held through every later step
+    trains = lambda ps: sum(p.numel() for p in ps if p.requires_grad)  # noqa: E731 -- LoRA: the adapters only
     return TracedStep(backward, step, sum(p.numel() for p in params), dtypes.dtype_bytes(pr.param),
-                      largest, root, micro_batch, seq_len, max((p.numel() for p in params), default=0))
+                      largest, root, micro_batch, seq_len, max((p.numel() for p in params), default=0),
+                      trains(params), max((trains(b.parameters()) for b in blocks), default=0))
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_unhooked(tracker: Any, module: torch.nn.Module) -> None:
+    """torch's ``MemTracker`` hooks every parameter's gradient, and ``register_hook`` refuses a parameter
+    without one (a LoRA model's frozen base): mark those as hooked already (a frozen parameter never has a
+    gradient to count)."""
+    for p in module.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())

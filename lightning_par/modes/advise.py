@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_par.costs.advisor import Advice, Cluster, advise, describe
+from lightning_par.costs.advisor import LORA_RANK, Advice, Cluster, advise, describe
 from lightning_par.costs.calibration import calibrate
 from lightning_par.costs.measured import DEFAULT_GPU, GPUS, measured_efficiency
 from lightning_par.costs.shape import Shape
@@ -153,8 +153,8 @@ def shape_from_args(args: argparse.Namespace) -> Asked:
 
 def model_lines(asked: Asked) -> list[str]:
     """What was priced (``advisor.describe``) and, for a parameter count, how far the model is from it."""
-    count, arch = describe(asked.shape)
-    lines = [f"Model: {count}, from {asked.source}", f"  {arch}"]
+    count, arch, *more = describe(asked.shape)
+    lines = [f"Model: {count}, from {asked.source}", f"  {arch}", *(f"  {m}" for m in more)]
     if asked.params:
         got = asked.shape.units()["total"]
         off = got / asked.params - 1
@@ -260,14 +260,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
                       help="never activation checkpointing (default: each plan priced with and without it, the "
                            "faster that fits kept)")
     when.add_argument("--checkpointing", action="store_true", help="always activation checkpointing")
+    ap.add_argument("--finetune", action="store_true",
+                    help="the run fine-tunes the model: weigh LoRA (--lora-rank, the attention and MLP projections) "
+                         "and QLoRA (its frozen base in NF4) beside full fine-tuning; full fine-tuning is chosen when "
+                         "it fits at a step at most 2x theirs, else LoRA by the same rule against QLoRA, else QLoRA")
+    ap.add_argument("--lora-rank", type=int, default=None,
+                    help="with --finetune: the adapters' rank (default: 16; alpha is twice it)")
     args = ap.parse_args(argv)
     try:
         for name in ("nodes", "devices_per_node", "device_memory", "intra_node_gbs", "inter_node_gbs",
                      "micro_batch_size", "global_batch", "peak_tflops", "host_memory", "host_link_gbs", "nvme",
-                     "nvme_gbs", "seq_len", "heads", "kv_heads", "intermediate", "mlp_ratio", "layers", "hidden"):
+                     "nvme_gbs", "seq_len", "heads", "kv_heads", "intermediate", "mlp_ratio", "layers", "hidden",
+                     "lora_rank"):
             value = getattr(args, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if args.lora_rank is not None and not args.finetune:
+            raise ValueError("--lora-rank: only with --finetune")
         if args.efficiency is not None and not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
         gpu = GPUS[args.gpu or DEFAULT_GPU]
@@ -286,7 +295,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
                           args.nvme, args.nvme_gbs, float8_tflops=gpu.float8_tflops)
         advice = advise(asked.shape, cluster, precision=args.precision, micro_batch_size=args.micro_batch_size,
                         checkpointing=False if args.no_checkpointing else True if args.checkpointing else None,
-                        preset=asked.preset, global_batch=args.global_batch, pretrained=asked.pretrained)
+                        preset=asked.preset, global_batch=args.global_batch, pretrained=asked.pretrained,
+                        finetune=args.finetune, lora_rank=args.lora_rank or LORA_RANK)
     except ValueError as exc:
         ap.error(str(exc))
     print(advice.headline())
@@ -296,6 +306,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m lightning_par.mod
         print(calibration.line())
     elif measured is not None:
         print(measured.line(args.gpu or DEFAULT_GPU))
+    if advice.methods:  # --finetune: what each method costs, the chosen one marked
+        if advice.shape is not None and advice.shape.lora is not None:
+            print("  " + describe(advice.shape)[2])
+        print()
+        print(advice.methods_table())
+        print()
     if advice.chosen is not None:
         print(advice.memory_line())
     for r in advice.reasons:
