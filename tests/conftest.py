@@ -39,12 +39,14 @@ def _single_thread_and_clean_pg():
 # the export test's trained checkpoints, ...) ran twice. The multirun sweeps that several modules read
 # (``tests/sweeps.py``) are shared by both workers through one directory made here, before the workers
 # start, and a lock per sweep. (They were one group of ten modules, all on one worker.)
-#: the modules that take longest (the full suite on 2026-11-28, fresh clone of 0e221d9, summed per module), handed
-#: out first so that neither worker is left with a long module at the end (``--no-loadscope-reorder`` in
-#: pyproject.toml keeps this order: xdist would otherwise hand out the groups with the most tests first)
-LONGEST_FIRST = ("test_comm", "test_advisor", "test_hf", "test_family_matrix", "test_recipes", "test_e2e_model_parallel",
-                 "test_float8", "test_pretrained", "test_signals", "test_estimate_rss", "test_faults", "test_moe",
-                 "test_sync_bn_unused", "test_batch_size", "test_export", "test_hf_moe_ep_fsdp", "test_tiling")
+#: the modules that take longest, handed out first so that neither worker is left with a long module at the end
+#: (``--no-loadscope-reorder`` in pyproject.toml keeps this order: xdist would otherwise hand out the groups with
+#: the most tests first). The full suite on 2026-11-28 (bbf94e3, summed per module), with the modules whose runs
+#: now share processes (tests/serial.py, sweeps.together) scaled by what that saved each on its own: to be
+#: measured again at the next full run.
+LONGEST_FIRST = ("test_comm", "test_hf", "test_advisor", "test_float8", "test_family_matrix", "test_faults",
+                 "test_estimate_rss", "test_recipes", "test_signals", "test_compile", "test_optim", "test_pretrained",
+                 "test_moe", "test_e2e_model_parallel", "test_batch_size", "test_hf_moe_ep_fsdp", "test_chunked_loss")
 
 
 def pytest_configure(config):

@@ -23,7 +23,7 @@ from lightning_par import ConfigError
 from lightning_par.models.module import GPTModule, MLPModule, cross_entropy
 from lightning_par.parallel.memory.chunked_loss import ChunkedLoss, chunked_head, chunked_loss_option, make_chunked
 from tests.helpers import QUICK, run_cli, tiny_causal_lm
-from tests.sweeps import by_strategy, single_refs, sweep
+from tests.sweeps import by_strategy, single_refs, sweep, together
 from tests.test_comm import assert_comm_matches
 
 RTOL = 1e-5
@@ -147,6 +147,12 @@ def test_vocabulary_parallel_chunked_loss_equals_unfused(sequence_parallel: bool
 
 # --------------------------------------------------------------------------- the app, every strategy
 STRATEGIES = "single,ddp,zero1,zero2,zero3,fsdp,tensor_parallel,pipeline"
+EVERY_STRATEGY = (f"model.chunked_loss={CHUNK}", f"strategy={STRATEGIES}", "trainer.devices=2")
+FOUR_RANK_SP = (f"model.chunked_loss={CHUNK}", "strategy=fsdp_tp,3d", "strategy.sequence_parallel=true", "trainer.devices=4")
+HF_LLAMA = ("model=hf_llama_tiny", f"model.chunked_loss={CHUNK}", "strategy=fsdp,tensor_parallel,pipeline",
+            "trainer.devices=2", "data.max_bytes=400000")  # test_hf.py's DATA (checked below)
+# this module's sweeps, run one after another in one process when the first is needed (sweeps.together)
+together(EVERY_STRATEGY, FOUR_RANK_SP, HF_LLAMA)
 
 
 @pytest.mark.slow
@@ -155,7 +161,7 @@ def test_chunked_loss_under_every_strategy_matches_the_unfused_single_run() -> N
     """gpt_tiny, 12 AdamW steps, fp32: each strategy at 2 ranks with the chunked loss against the single device
     without it (tests/sweeps.py's reference), rtol 1e-5; the pipeline's last stage computes it."""
     plain, _ = single_refs()
-    runs = by_strategy(sweep(f"model.chunked_loss={CHUNK}", f"strategy={STRATEGIES}", "trainer.devices=2"))
+    runs = by_strategy(sweep(*EVERY_STRATEGY))
     for name in STRATEGIES.split(","):
         s = runs[name]
         assert s["world_size"] == (1 if name == "single" else 2), name
@@ -173,8 +179,7 @@ def test_chunked_loss_under_four_rank_compositions_with_sequence_parallelism() -
     loss and the hidden states' gradient reduce-scattered back; losses as the unfused single run (rtol 1e-5),
     measured communication as predicted."""
     plain, _ = single_refs()
-    runs = by_strategy(sweep(f"model.chunked_loss={CHUNK}", "strategy=fsdp_tp,3d", "strategy.sequence_parallel=true",
-                             "trainer.devices=4"))
+    runs = by_strategy(sweep(*FOUR_RANK_SP))
     for name, s in runs.items():
         assert s["world_size"] == 4 and s["mesh"]["tp"] == 2, (name, s["mesh"])
         np.testing.assert_allclose(s["losses"], plain["losses"], rtol=RTOL, atol=0, err_msg=name)
@@ -189,8 +194,8 @@ def test_a_hugging_face_llama_under_strategies_matches_its_unfused_single_run() 
     from tests.test_hf import DATA, summary_of
 
     ref = summary_of("hf_llama_tiny", "single")
-    runs = by_strategy(sweep("model=hf_llama_tiny", f"model.chunked_loss={CHUNK}", "strategy=fsdp,tensor_parallel,pipeline",
-                             "trainer.devices=2", DATA))
+    assert HF_LLAMA[-1] == DATA
+    runs = by_strategy(sweep(*HF_LLAMA))
     for name, s in runs.items():
         np.testing.assert_allclose(s["losses"], ref["losses"], rtol=RTOL, atol=0, err_msg=name)
         assert len(s["losses"]) == len(ref["losses"]) >= 10

@@ -25,7 +25,7 @@ from lightning_par.costs.comm import CommShape, step_comm_bytes
 from lightning_par.costs.shape import Shape
 from lightning_par.models.gpt import PRESETS, GPTConfig
 from tests.helpers import ROOT
-from tests.sweeps import by_strategy, four_ranks, long_parity, sweep, sweep_dir, two_ranks_accumulating
+from tests.sweeps import by_strategy, four_ranks, long_parity, sweep, sweep_dir, together, two_ranks_accumulating
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -104,8 +104,7 @@ def test_fsdp_reduces_gradients_once_per_step_with_grad_sync_last_micro_batch():
     equals predicted within 2%, and the losses equal the accumulating 2-rank fsdp run's (rtol 1e-5)."""
     from tests.helpers import assert_losses_match
 
-    runs = by_strategy(sweep("strategy=fsdp,hsdp", "trainer.devices=4", "trainer.accumulate_grad_batches=2",
-                             "strategy.activation_checkpointing=true", "strategy.grad_sync=last_micro_batch"))
+    runs = by_strategy(sweep(*GRAD_SYNC_LAST))
     every = two_ranks_accumulating()["fsdp"]
     for name in ("fsdp", "hsdp"):
         s, plain = runs[name], four_ranks()[name]
@@ -139,6 +138,13 @@ def test_four_ranks_model_parallel_bytes_match_model(strategy):
 
 ACCUMULATING_4 = ("strategy=tensor_parallel,fsdp_tp,3d", "strategy.sequence_parallel=false,true", "trainer.devices=4",
                   "+model.n_head=4", "trainer.max_steps=3", "trainer.accumulate_grad_batches=2")
+GRAD_SYNC_LAST = ("strategy=fsdp,hsdp", "trainer.devices=4", "trainer.accumulate_grad_batches=2",
+                  "strategy.activation_checkpointing=true", "strategy.grad_sync=last_micro_batch")
+HSDP_PIPELINE_ACCUMULATING = ("strategy=hsdp,pipeline", "trainer.devices=4", "+model.n_head=4", "trainer.max_steps=3",
+                              "trainer.accumulate_grad_batches=2")
+# this module's own sweeps (the others are sweeps.py's, shared), run one after another in one process when the
+# first is needed (sweeps.together)
+together(MODEL_PARALLEL_4, ACCUMULATING_4, GRAD_SYNC_LAST, HSDP_PIPELINE_ACCUMULATING)
 
 
 @pytest.mark.parametrize("strategy", ["tensor_parallel", "fsdp_tp", "3d"])
@@ -185,8 +191,7 @@ def test_four_ranks_hsdp_and_pipeline_accumulating_bytes_match_model(strategy):
     """The two strategies no other sweep accumulates with: HSDP reduce-scatters and all-reduces across
     replicas every micro-batch; a pipeline moves each micro-batch's activations (2 accumulated
     micro-batches, 4 ranks)."""
-    runs = by_strategy(sweep("strategy=hsdp,pipeline", "trainer.devices=4", "+model.n_head=4", "trainer.max_steps=3",
-                             "trainer.accumulate_grad_batches=2"))
+    runs = by_strategy(sweep(*HSDP_PIPELINE_ACCUMULATING))
     assert_comm_matches(runs[strategy], cross_check=False)
 
 

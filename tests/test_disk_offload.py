@@ -28,14 +28,38 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def sweep_runs(tmp_path_factory) -> tuple[Path, dict[tuple[int, bool], dict], Path]:
-    """(sweep dir, {(ranks, disk): summary}, offload dir): one multirun of the four jobs."""
+def app_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """(root, the runs): the multirun of four jobs (``sweep``), the two resumes from its step-6 checkpoints
+    (``resumed``, ``from_cpu``) and the accumulating multirun (``accumulating``), one after another in one
+    process (``tests/serial.py``), each as its command runs it."""
+    from tests import serial
+
     root = tmp_path_factory.mktemp("disk")
+    offload, out = root / "offload", root / "sweep"
+    disk_ckpt, cpu_ckpt = (out / str(job) / "checkpoints" / "step000006.ckpt" for job in (3, 0))  # (2, disk), (1, cpu)
+    runs = serial.app_runs({
+        "sweep": ["-m", *QUICK, "strategy=zero3_offload", "trainer.devices=1,2", f"strategy.offload_dir=null,{offload}",
+                  "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=6", "strategy.offload_chunk_mb=0.1",
+                  f"hydra.sweep.dir={out}"],
+        "resumed": [*QUICK, "strategy=zero3_offload", "trainer.devices=2", f"strategy.offload_dir={offload}",
+                    "strategy.offload_chunk_mb=0.1", f"ckpt_path={disk_ckpt}"],
+        "from_cpu": [*QUICK, "strategy=zero3_offload", f"strategy.offload_dir={offload}", f"ckpt_path={cpu_ckpt}"],
+        "accumulating": ["-m", *QUICK, "trainer.max_steps=8", "strategy=zero3_offload", "trainer.devices=2",
+                         "trainer.accumulate_grad_batches=2", "strategy.activation_checkpointing=true",
+                         f"strategy.offload_dir=null,{root / 'accumulating_offload'}", "scheduler=warmup_cosine",
+                         "scheduler.warmup_steps=3", "trainer.gradient_clip_val=0.5",
+                         f"hydra.sweep.dir={root / 'accumulating' / 'sweep'}"],
+    }, root, timeout=1500)
+    return root, runs
+
+
+@pytest.fixture(scope="module")
+def sweep_runs(app_runs) -> tuple[Path, dict[tuple[int, bool], dict], Path]:
+    """(sweep dir, {(ranks, disk): summary}, offload dir): one multirun of the four jobs."""
+    root, done = app_runs
+    done["sweep"].job.check()
     offload = root / "offload"
     out = root / "sweep"
-    run_cli(["-m", *QUICK, "strategy=zero3_offload", "trainer.devices=1,2", f"strategy.offload_dir=null,{offload}",
-             "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=6", "strategy.offload_chunk_mb=0.1",
-             f"hydra.sweep.dir={out}"], out, timeout=900)
     runs = {}
     for job in sorted(p for p in out.iterdir() if p.is_dir() and p.name.isdigit()):
         summary = json.loads((job / "summary.json").read_text())
@@ -60,23 +84,20 @@ def test_disk_tier_matches_cpu_offload(sweep_runs, ranks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_disk_tier_resumes_with_the_uninterrupted_losses(sweep_runs, tmp_path):
+def test_disk_tier_resumes_with_the_uninterrupted_losses(sweep_runs, app_runs):
     _, runs, offload = sweep_runs
+    _, done = app_runs
     ref = runs[(2, True)]
     ckpt = Path(ref["dir"]) / "checkpoints" / "step000006.ckpt"
     assert (ckpt / ".metadata").is_file()
-    run_dir = tmp_path / "resumed"
-    run_cli([*QUICK, "strategy=zero3_offload", "trainer.devices=2", f"strategy.offload_dir={offload}",
-             "strategy.offload_chunk_mb=0.1", f"ckpt_path={ckpt}"], run_dir, timeout=300)
-    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert f"ckpt_path={ckpt}" in done["resumed"].job.args and f"strategy.offload_dir={offload}" in done["resumed"].job.args
+    resumed = done["resumed"].summary()
     got = np.asarray(resumed["losses"])[-(STEPS - 6):]
     np.testing.assert_allclose(got, np.asarray(ref["losses"])[6:], rtol=1e-6, atol=0)
     # and a checkpoint of the CPU offload run resumes under the disk tier at one rank
     cpu_ckpt = Path(runs[(1, False)]["dir"]) / "checkpoints" / "step000006.ckpt"
-    run_dir = tmp_path / "from_cpu"
-    run_cli([*QUICK, "strategy=zero3_offload", f"strategy.offload_dir={offload}", f"ckpt_path={cpu_ckpt}"],
-            run_dir, timeout=300)
-    got = np.asarray(json.loads((run_dir / "summary.json").read_text())["losses"])[-(STEPS - 6):]
+    assert f"ckpt_path={cpu_ckpt}" in done["from_cpu"].job.args
+    got = np.asarray(done["from_cpu"].summary()["losses"])[-(STEPS - 6):]
     np.testing.assert_allclose(got, np.asarray(runs[(1, False)]["losses"])[6:], rtol=1e-6, atol=0)
 
 
@@ -280,16 +301,14 @@ def test_clipping_reads_the_gradient_files_a_chunk_at_a_time(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_disk_tier_with_accumulation_checkpointing_clipping_and_a_schedule(tmp_path):
+def test_disk_tier_with_accumulation_checkpointing_clipping_and_a_schedule(app_runs):
     """2 ranks x 2 accumulated micro-batches (FSDP adds the second into the gradient files), activation
     checkpointing (forward hooks fire again in recomputation), clipping (the paged optimizer's, chunk by
     chunk, the two ranks' norms summed) and a warm-up schedule (its LR reaches the chunked step): CPU
     offload's losses."""
-    out = tmp_path / "sweep"
-    run_cli(["-m", *QUICK, "trainer.max_steps=8", "strategy=zero3_offload", "trainer.devices=2",
-             "trainer.accumulate_grad_batches=2", "strategy.activation_checkpointing=true",
-             f"strategy.offload_dir=null,{tmp_path / 'offload'}", "scheduler=warmup_cosine",
-             "scheduler.warmup_steps=3", "trainer.gradient_clip_val=0.5", f"hydra.sweep.dir={out}"], out, timeout=600)
+    root, done = app_runs
+    done["accumulating"].job.check()
+    out = root / "accumulating" / "sweep"
     cpu, disk = (json.loads((out / str(i) / "summary.json").read_text()) for i in (0, 1))
     assert len(disk["losses"]) == 8
     np.testing.assert_allclose(disk["losses"], cpu["losses"], rtol=1e-6, atol=0)

@@ -1,7 +1,9 @@
 """End-to-end: run.py under single and ddp; DDP reproduces single-device losses at 2 and 4 ranks.
 
 The single-device reference and the 4-rank ddp run are the shared sweeps' (``tests/sweeps.py``: the same
-QUICK config); the 2-rank ddp run is the two-job multirun's, which this module runs once."""
+QUICK config); the 2-rank ddp run is the two-job multirun's, which this module runs once. That multirun and
+this module's other runs run one after another in one process (``runs``, ``tests/serial.py``), each as the
+command runs it."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ import numpy as np
 import pytest
 
 from lightning_par.callbacks import CONTRACT_KEYS
-from tests import launch
-from tests.helpers import QUICK, ROOT, assert_losses_match, run_cli, train_summary
+from tests import launch, serial
+from tests.helpers import QUICK, ROOT, assert_losses_match
 from tests.sweeps import four_ranks, single_refs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the first test of ``runs`` runs them all
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +28,31 @@ def single_ref():
     return single_refs()[0]
 
 
+CNN = ["experiment=cnn", "trainer.max_steps=10", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+       "data.global_batch_size=16", "data.n_samples=512"]
+
+
 @pytest.fixture(scope="module")
-def two_job_sweep(tmp_path_factory):
+def runs(tmp_path_factory) -> dict[str, serial.Run]:
+    """This module's runs, one after another in one process (``tests/serial.py``): the two-job multirun
+    (``run.py -m strategy=single,ddp trainer.devices=2``, its sweep directory ``multirun/sweep``), then the
+    single runs, each in a run directory of its own."""
+    root = tmp_path_factory.mktemp("runs")
+    return serial.app_runs({
+        "multirun": ["-m", *QUICK, "strategy=single,ddp", "trainer.devices=2", f"hydra.sweep.dir={root / 'multirun' / 'sweep'}"],
+        "accumulating": [*QUICK, "strategy=ddp", "trainer.devices=2", "trainer.accumulate_grad_batches=2"],
+        "cnn-single": CNN,
+        "cnn-sync": [*CNN, "strategy=ddp", "strategy.sync_batchnorm=true", "trainer.devices=2"],
+        "cnn-plain": [*CNN, "strategy=ddp", "trainer.devices=2"],
+        "bf16": [*QUICK, "strategy=ddp", "trainer.devices=2", "trainer.precision=bf16-mixed"],
+    }, root)
+
+
+@pytest.fixture(scope="module")
+def two_job_sweep(runs):
     """``run.py -m strategy=single,ddp trainer.devices=2``: a multirun of two jobs (the 2-rank ddp run)."""
-    sweep = tmp_path_factory.mktemp("multirun") / "sweep"
-    run_cli(["-m", *QUICK, "strategy=single,ddp", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], sweep)
-    return sweep
+    runs["multirun"].job.check()
+    return runs["multirun"].dir / "sweep"
 
 
 def test_single_summary_contract(single_ref):
@@ -57,26 +78,23 @@ def test_ddp_matches_single(single_ref, two_job_sweep, world):
     assert_losses_match(s, single_ref)
 
 
-def test_gradient_accumulation_matches(single_ref, tmp_path):
+def test_gradient_accumulation_matches(single_ref, runs):
     # same global batch (8) as 2 ranks x 2 micro-batches of 2: same per-step losses
-    s = train_summary(QUICK + ["strategy=ddp", "trainer.devices=2", "trainer.accumulate_grad_batches=2"], tmp_path)
+    s = runs["accumulating"].summary()
     assert_losses_match(s, single_ref)
 
 
-def test_syncbatchnorm_ddp_matches_single_batchnorm(tmp_path):
-    cnn = ["experiment=cnn", "trainer.max_steps=10", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
-           "data.global_batch_size=16", "data.n_samples=512"]
-    ref = train_summary(cnn, tmp_path / "single")
-    synced = train_summary(cnn + ["strategy=ddp", "strategy.sync_batchnorm=true", "trainer.devices=2"],
-                           tmp_path / "sync")
+def test_syncbatchnorm_ddp_matches_single_batchnorm(runs):
+    ref = runs["cnn-single"].summary()
+    synced = runs["cnn-sync"].summary()
     assert_losses_match(synced, ref, rtol=1e-4)
     # without SyncBatchNorm, per-rank statistics differ from the global batch's: losses drift apart
-    plain = train_summary(cnn + ["strategy=ddp", "trainer.devices=2"], tmp_path / "plain")
+    plain = runs["cnn-plain"].summary()
     assert not np.allclose(plain["losses"], ref["losses"], rtol=1e-4, atol=1e-6)
 
 
-def test_bf16_mixed_ddp_trains(tmp_path):
-    s = train_summary(QUICK + ["strategy=ddp", "trainer.devices=2", "trainer.precision=bf16-mixed"], tmp_path)
+def test_bf16_mixed_ddp_trains(runs):
+    s = runs["bf16"].summary()
     assert s["precision"] == "bf16-mixed"
     assert np.all(np.isfinite(s["losses"])) and s["losses"][-1] < s["losses"][0] - 0.5
 

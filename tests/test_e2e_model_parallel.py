@@ -9,6 +9,10 @@ The runs train with SGD and gradient clipping on purpose: SGD's losses change wi
 the scale of a gradient (a missing average over data-parallel ranks, micro-batch scaling applied
 twice), which Adam's normalization would hide; the clipping threshold is below the gradient norm
 in these steps, so a per-stage instead of whole-model norm changes the losses too.
+
+The 13 runs (the single-device reference, 4 pipelines, a checkpointed pipeline and its 3 resumes, 2 tensor-parallel
+runs, fsdp_tp, 3d) run one after another in one process (``runs``, ``tests/serial.py``), each as ``python run.py
+...`` runs it, in a run directory of its own.
 """
 
 from __future__ import annotations
@@ -22,14 +26,65 @@ import pytest
 
 from lightning_par.models import GPTModule
 from lightning_par.parallel.pipeline.schedule import theoretical_bubble
-from tests.helpers import assert_losses_match, run_cli, train_summary
+from tests import serial
+from tests.helpers import assert_losses_match, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test runs all 13 (``runs``)
 
 # gpt_tiny with 4 heads (so tp=4 divides them): 4 pipeline layers (embed, 2 blocks, head)
 BASE = ["experiment=quick", "+model.n_head=4", "model.optimizer=sgd", "model.lr=0.1", "trainer.gradient_clip_val=0.5",
         "trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2",
         "trainer.enable_progress_bar=false"]
+
+PIPELINES = [
+    # with gradient accumulation: 2 pipeline steps of 4 samples per optimizer step (validation every 6 steps)
+    ("gpipe", 2, 2, ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]),
+    ("1f1b", 4, 4, []),
+    ("gpipe", 4, 1, []),  # naive model parallelism: one micro-batch, one stage busy at a time
+    ("interleaved_1f1b", 2, 4, []),  # two stages per rank (loop placement): 4 stages on 2 ranks
+]
+TENSOR_PARALLEL = [
+    (2, []),
+    (4, ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"]),
+]
+CKPT = ["callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=6"]
+PIPE = ["strategy=pipeline", "strategy.n_microbatches=4"]
+# the pipeline checkpoint of step 6 (1f1b on 2 ranks) resumed: a directory, every rank wrote its own layers
+RESUMES = {
+    "same": PIPE + ["trainer.devices=2"],
+    "4 stages": PIPE + ["trainer.devices=4", "strategy.schedule=gpipe"],  # other cut, other schedule
+    "single device": ["strategy=single"],  # the shared format: any strategy loads it
+}
+
+
+def _jobs(root: Path) -> dict[str, list[str]]:
+    """Every run of this module (name -> run.py's arguments after BASE), in the order they run: the resumes
+    after the run whose checkpoint they load."""
+    ckpt = root / "pipeline-ckpt" / "checkpoints" / "step000006.ckpt"
+    return {
+        "single": [],
+        **{f"pipeline-{s}-{d}-{m}": ["strategy=pipeline", f"trainer.devices={d}", f"strategy.schedule={s}",
+                                     f"strategy.n_microbatches={m}", *extra] for s, d, m, extra in PIPELINES},
+        "pipeline-ckpt": PIPE + CKPT + ["trainer.devices=2"],
+        **{f"resume-{name}": [*args, f"ckpt_path={ckpt}"] for name, args in RESUMES.items()},
+        **{f"tensor_parallel-{d}": ["strategy=tensor_parallel", f"trainer.devices={d}", *extra]
+           for d, extra in TENSOR_PARALLEL},
+        "fsdp_tp": ["strategy=fsdp_tp", "trainer.devices=4", "strategy.tp=2"],
+        "3d": ["strategy=3d", "trainer.devices=8"],  # pp=2 x dp=2 (FSDP) x tp=2 on 8 processes
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, serial.Run]:
+    """Every run of this module one after another in one process (``tests/serial.py``: each as ``python run.py
+    ...`` runs it; the ranks' fork server started once, not 13 times: 49 s instead of 91 s on this machine)."""
+    root = tmp_path_factory.mktemp("runs")
+    return serial.app_runs({name: [*BASE, *args] for name, args in _jobs(root).items()}, root, timeout=1200)
+
+
+def summary_of(runs: dict[str, serial.Run], name: str) -> tuple[dict, Path]:
+    """The run's summary.json (it failed: its output) and its run directory."""
+    return runs[name].summary(), runs[name].dir
 
 
 def val_losses(run_dir: Path) -> list[float]:
@@ -38,9 +93,8 @@ def val_losses(run_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory) -> dict:
-    run_dir = tmp_path_factory.mktemp("single")
-    s = train_summary(BASE, run_dir)
+def ref(runs) -> dict:
+    s, run_dir = summary_of(runs, "single")
     s["val"] = val_losses(run_dir)
     assert len(s["val"]) == 2 and s["losses"][-1] < s["losses"][0]
     return s
@@ -51,19 +105,11 @@ def assert_matches(s: dict, run_dir: Path, ref: dict) -> None:
     np.testing.assert_allclose(val_losses(run_dir), ref["val"], rtol=1e-5, err_msg="validation loss")
 
 
-@pytest.mark.parametrize("schedule, devices, m, extra", [
-    # with gradient accumulation: 2 pipeline steps of 4 samples per optimizer step (validation every 6 steps)
-    ("gpipe", 2, 2, ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]),
-    ("1f1b", 4, 4, []),
-    ("gpipe", 4, 1, []),  # naive model parallelism: one micro-batch, one stage busy at a time
-    ("interleaved_1f1b", 2, 4, []),  # two stages per rank (loop placement): 4 stages on 2 ranks
-])
-def test_pipeline_matches_single(ref, tmp_path, schedule, devices, m, extra):
-    args = ["strategy=pipeline", f"trainer.devices={devices}", f"strategy.schedule={schedule}",
-            f"strategy.n_microbatches={m}", *extra]
-    s = train_summary(BASE + args, tmp_path, timeout=300)
+@pytest.mark.parametrize("schedule, devices, m, extra", PIPELINES)
+def test_pipeline_matches_single(ref, runs, schedule, devices, m, extra):
+    s, run_dir = summary_of(runs, f"pipeline-{schedule}-{devices}-{m}")
     assert s["mesh"] == {"pp": devices}
-    assert_matches(s, tmp_path, ref)
+    assert_matches(s, run_dir, ref)
     # every rank holds only its stages: together, the parameters of one model
     (single_mem,) = ref["memory"]
     assert sum(r["params"] for r in s["memory"]) == single_mem["params"] == 4 * s["n_params"]
@@ -84,10 +130,10 @@ def test_pipeline_matches_single(ref, tmp_path, schedule, devices, m, extra):
         assert sorted(map(int, st["busy_s_by_stage"])) == sorted(st["stages"])
     assert len({st["wall_s"] for st in b["per_stage"]}) == 1  # one step wall for the whole pipeline
     assert b["measured"] == pytest.approx(sum(st["bubble"] for st in b["per_stage"]) / devices)
-    trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
+    trace = json.loads((run_dir / "pipeline_trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == set(range(devices)) and {e["name"][0] for e in spans} >= {"F", "B"}
-    assert (tmp_path / "pipeline_timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run_dir / "pipeline_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _logged_steps(run_dir: Path) -> list[int]:
@@ -95,33 +141,23 @@ def _logged_steps(run_dir: Path) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
 
 
-def test_pipeline_checkpoint_resumes_in_any_layout(ref, tmp_path):
-    ckpt_args = ["callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=6"]
-    pipe = ["strategy=pipeline", "strategy.n_microbatches=4"]
-    full = train_summary(BASE + pipe + ckpt_args + ["trainer.devices=2"], tmp_path / "full")
+def test_pipeline_checkpoint_resumes_in_any_layout(ref, runs):
+    full, full_dir = summary_of(runs, "pipeline-ckpt")
     assert_losses_match(full, ref)  # (1f1b on 2 ranks, with checkpointing)
-    ckpt = tmp_path / "full" / "checkpoints" / "step000006.ckpt"  # a directory: every rank wrote its own layers
+    ckpt = full_dir / "checkpoints" / "step000006.ckpt"  # a directory: every rank wrote its own layers
     assert (ckpt / "meta.pt").is_file() and (ckpt / ".metadata").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
-    resumes = {
-        "same": pipe + ["trainer.devices=2"],
-        "4 stages": pipe + ["trainer.devices=4", "strategy.schedule=gpipe"],  # other cut, other schedule
-        "single device": ["strategy=single"],  # the shared format: any strategy loads it
-    }
-    for name, args in resumes.items():
-        run_dir = tmp_path / name.replace(" ", "_")
-        s = train_summary(BASE + args + [f"ckpt_path={ckpt}"], run_dir, timeout=300)
+    for name, args in RESUMES.items():
+        assert f"ckpt_path={ckpt}" in runs[f"resume-{name}"].job.args, name
+        s, run_dir = summary_of(runs, f"resume-{name}")
         assert min(_logged_steps(run_dir)) >= 6, name  # it trained steps 7..12 only (mid-epoch resume)
         np.testing.assert_allclose(s["losses"], full["losses"], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("devices, extra", [
-    (2, []),
-    (4, ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"]),
-])
-def test_tensor_parallel_matches_single(ref, tmp_path, devices, extra):
-    s = train_summary(BASE + ["strategy=tensor_parallel", f"trainer.devices={devices}", *extra], tmp_path, timeout=300)
+@pytest.mark.parametrize("devices, extra", TENSOR_PARALLEL)
+def test_tensor_parallel_matches_single(ref, runs, devices, extra):
+    s, run_dir = summary_of(runs, f"tensor_parallel-{devices}")
     assert s["mesh"] == {"tp": devices} and s["bubble"] is None
-    assert_matches(s, tmp_path, ref)
+    assert_matches(s, run_dir, ref)
     (single_mem,) = ref["memory"]
     assert all(r["params"] < single_mem["params"] / devices * 1.5 for r in s["memory"])  # split, bar the small rest
 
@@ -138,20 +174,20 @@ def test_two_ranks_match_single_over_60_steps(strategy):
     assert_parity_over_horizon(s, long_parity()["single"])
 
 
-def test_fsdp_tp_matches_single(ref, tmp_path):
-    s = train_summary(BASE + ["strategy=fsdp_tp", "trainer.devices=4", "strategy.tp=2"], tmp_path, timeout=300)
+def test_fsdp_tp_matches_single(ref, runs):
+    s, run_dir = summary_of(runs, "fsdp_tp")
     assert s["mesh"] == {"dp_shard": 2, "tp": 2}
-    assert_matches(s, tmp_path, ref)
+    assert_matches(s, run_dir, ref)
     (single_mem,) = ref["memory"]
     # a quarter of the model each (dp x tp shards), plus the small tensors TP replicates (LayerNorms)
     assert all(r["params"] < 0.3 * single_mem["params"] for r in s["memory"])
 
 
-def test_3d_matches_single(ref, tmp_path):
+def test_3d_matches_single(ref, runs):
     # pp=2 x dp=2 (FSDP) x tp=2 on 8 processes: about a minute on two cores
-    s = train_summary(BASE + ["strategy=3d", "trainer.devices=8"], tmp_path, timeout=420)
+    s, run_dir = summary_of(runs, "3d")
     assert s["mesh"] == {"pp": 2, "dp_shard": 2, "tp": 2}
-    assert_matches(s, tmp_path, ref)
+    assert_matches(s, run_dir, ref)
     assert s["bubble"]["pp"] == 2 and len(s["bubble"]["per_stage"]) == 2
 
 

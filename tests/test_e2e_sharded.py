@@ -10,7 +10,8 @@ runs use SGD, which neither amplifies that rounding nor hides a wrong gradient s
 must learn.
 
 The runs are Hydra multiruns shared with other test modules through ``tests/sweeps.py`` (one run
-per argument list and test session).
+per argument list and test session); this module's own five run one after another in one process
+(``sweeps.together``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.sweeps import (
     long_parity,
     single_refs,
     sweep,
+    together,
     two_ranks_accumulating,
 )
 
@@ -34,13 +36,24 @@ pytestmark = pytest.mark.timeout(900)
 
 SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 
+# this module's own sweeps, run one after another in one process when the first is needed (sweeps.together)
+DOUBLED = ("strategy=single", f"trainer.max_steps={LONG_STEPS}", "model.optimizer=sgd", "model.lr=0.2")
+CLIPPED = ("strategy=zero2,fsdp", "trainer.devices=2", "trainer.gradient_clip_val=0.5")
+BF16 = ("strategy=zero2,zero3", "trainer.devices=2", "trainer.precision=bf16-mixed")
+FSDP_OPTIONS = ("strategy=fsdp", "trainer.devices=2", "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32",
+                "strategy.units=Block", "strategy.reshard_after_forward=false", "strategy.prefetch=2",
+                "strategy.activation_checkpointing=true")
+# ++: in a multirun Hydra first composes the default strategy (single), which has no such keys
+FSDP_TP_BF16 = ("strategy=fsdp_tp", "trainer.devices=4", "++strategy.param_dtype=bf16", "++strategy.reduce_dtype=fp32")
+together(DOUBLED, CLIPPED, BF16, FSDP_OPTIONS, FSDP_TP_BF16)
+
 
 @pytest.mark.slow
 def test_parity_bound_rejects_a_doubled_gradient():
     """SGD (momentum, no weight decay) with twice the learning rate is exactly SGD on a gradient twice
     too large -- what summing instead of averaging over 2 ranks gives. The bound must reject it, and
     at step 2 already."""
-    (doubled,) = sweep("strategy=single", f"trainer.max_steps={LONG_STEPS}", "model.optimizer=sgd", "model.lr=0.2")
+    (doubled,) = sweep(*DOUBLED)
     ref = long_parity()["single"]
     with pytest.raises(AssertionError):
         assert_parity_over_horizon(doubled, ref)
@@ -92,7 +105,7 @@ def test_gradient_clipping_uses_the_global_norm(tmp_path):
     must clip by the norm of the *global* gradient, i.e. reproduce the single-device clipped run."""
     plain, clipped = single_refs()
     assert not np.allclose(plain["losses"], clipped["losses"], atol=1e-3)  # clipping is active
-    runs = by_strategy(sweep("strategy=zero2,fsdp", "trainer.devices=2", "trainer.gradient_clip_val=0.5"))
+    runs = by_strategy(sweep(*CLIPPED))
     for s in runs.values():
         assert_losses_match(s, clipped)
 
@@ -100,7 +113,7 @@ def test_gradient_clipping_uses_the_global_norm(tmp_path):
 @pytest.mark.slow
 def test_bf16_mixed_runs():
     """Lightning's bf16-mixed (autocast; fp32 weights, grads and optimizer state) under zero2 and zero3."""
-    runs = by_strategy(sweep("strategy=zero2,zero3", "trainer.devices=2", "trainer.precision=bf16-mixed"))
+    runs = by_strategy(sweep(*BF16))
     ref = single_refs()[0]
     for name, s in runs.items():
         assert s["precision"] == "bf16-mixed", name
@@ -114,9 +127,7 @@ def test_bf16_mixed_runs():
 def test_fsdp_options_mixed_precision_policy():
     """fsdp's own knobs: MixedPrecisionPolicy (bf16 gathers, fp32 reduction), units by class name,
     no reshard after forward, prefetch 2, activation checkpointing -- with fp32 shards."""
-    (s,) = sweep("strategy=fsdp", "trainer.devices=2", "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32",
-                 "strategy.units=Block", "strategy.reshard_after_forward=false", "strategy.prefetch=2",
-                 "strategy.activation_checkpointing=true")
+    (s,) = sweep(*FSDP_OPTIONS)
     np.testing.assert_allclose(s["losses"], single_refs()[0]["losses"], atol=2e-2)
     n = s["n_params"]
     assert all(m["params"] == 4 * n // 2 for m in s["memory"])  # shards stay fp32
@@ -127,8 +138,7 @@ def test_fsdp_options_mixed_precision_policy():
 def test_fsdp_mixed_precision_over_2d_dtensors():
     """param_dtype/reduce_dtype under fsdp_tp at 4 ranks (dp_shard=2 x tp=2): bf16 compute over fp32
     shards (the master copy), fp32 gradient reduction; losses near fp32 (atol 2e-2, as above)."""
-    # ++: in a multirun Hydra first composes the default strategy (single), which has no such keys
-    (s,) = sweep("strategy=fsdp_tp", "trainer.devices=4", "++strategy.param_dtype=bf16", "++strategy.reduce_dtype=fp32")
+    (s,) = sweep(*FSDP_TP_BF16)
     ref = single_refs()[0]
     np.testing.assert_allclose(s["losses"], ref["losses"], atol=2e-2)
     assert not np.allclose(s["losses"], ref["losses"], rtol=1e-6, atol=0)  # bf16 really computed

@@ -30,7 +30,7 @@ from lightning_par import ConfigError  # noqa: E402
 from lightning_par.parallel.precision.float8 import (Float8, apply_float8, convertible, device_refusal,  # noqa: E402
                                                      float8_option, float8_weights)
 from tests.helpers import tiny_causal_lm  # noqa: E402
-from tests.sweeps import by_strategy, single_refs, sweep  # noqa: E402
+from tests.sweeps import by_strategy, single_refs, sweep, together  # noqa: E402
 from tests.test_comm import assert_comm_matches  # noqa: E402
 
 ROUNDING = 2e-2  # float8 against the same run without it
@@ -211,14 +211,24 @@ TWO_RANKS = f"{DATA_PARALLEL},tensor_parallel"
 ROWWISE = "single,fsdp,tensor_parallel"
 
 
+TENSORWISE_TWO = ("model.float8=tensorwise", f"strategy={TWO_RANKS}", "trainer.devices=2")
+ROWWISE_TWO = ("model.float8=rowwise", f"strategy={ROWWISE}", "trainer.devices=2")
+# (fsdp is zero3's FSDP2 path with its own options: run at 2 ranks above)
+TENSORWISE_FOUR = ("model.float8=tensorwise", "strategy=ddp,zero3,hsdp,pipeline,fsdp_tp", "trainer.devices=4")
+HF_BESIDE_BF16 = ("model=hf_llama_tiny", "trainer.precision=bf16-mixed", "model.float8=false,tensorwise",
+                  "strategy=single,fsdp", "trainer.devices=2")
+COMPILED = ("compile=true", "model.float8=tensorwise", "strategy.activation_checkpointing=selective", "strategy=fsdp",
+            "trainer.devices=2")
+# this module's sweeps, run one after another in one process when the first is needed (sweeps.together)
+together(TENSORWISE_TWO, ROWWISE_TWO, TENSORWISE_FOUR, HF_BESIDE_BF16, COMPILED)
+
+
 def two_ranks() -> dict[str, dict[str, dict]]:
-    return {"tensorwise": by_strategy(sweep("model.float8=tensorwise", f"strategy={TWO_RANKS}", "trainer.devices=2")),
-            "rowwise": by_strategy(sweep("model.float8=rowwise", f"strategy={ROWWISE}", "trainer.devices=2"))}
+    return {"tensorwise": by_strategy(sweep(*TENSORWISE_TWO)), "rowwise": by_strategy(sweep(*ROWWISE_TWO))}
 
 
 def four_ranks() -> dict[str, dict]:
-    # (fsdp is zero3's FSDP2 path with its own options: run at 2 ranks above)
-    return by_strategy(sweep("model.float8=tensorwise", "strategy=ddp,zero3,hsdp,pipeline,fsdp_tp", "trainer.devices=4"))
+    return by_strategy(sweep(*TENSORWISE_FOUR))
 
 
 @pytest.mark.slow
@@ -267,8 +277,7 @@ def test_float8_at_four_ranks_matches_one_device():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_hugging_face_decoder_trains_in_float8_beside_bf16():
-    runs = sweep("model=hf_llama_tiny", "trainer.precision=bf16-mixed", "model.float8=false,tensorwise",
-                 "strategy=single,fsdp", "trainer.devices=2")
+    runs = sweep(*HF_BESIDE_BF16)
     by = {((s["float8"] or {}).get("recipe"), s["strategy"]): s for s in runs}
     bf16, f8 = by[(None, "single")], by[("tensorwise", "single")]
     assert f8["float8"]["layers"] == 2 * 7, f8["float8"]  # q k v o gate up down per layer; not the head
@@ -283,8 +292,7 @@ def test_float8_composes_with_compile_and_selective_checkpointing():
     """Each block compiled after float8 and checkpointing (parallelize's order), under fsdp at 2 ranks (float8
     all-gathers, hooks outside the compiled graph): no graph break, and the eager float8 losses within the
     scales' bound (compiled kernels fuse the scale and cast arithmetic: measured 6e-5 on one device)."""
-    runs = by_strategy(sweep("compile=true", "model.float8=tensorwise", "strategy.activation_checkpointing=selective",
-                             "strategy=fsdp", "trainer.devices=2"))
+    runs = by_strategy(sweep(*COMPILED))
     eager = two_ranks()["tensorwise"]
     for name, s in runs.items():
         assert s["compile"]["modules"] == 2 and s["compile"]["graph_breaks"] == 0, (name, s["compile"])

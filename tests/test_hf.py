@@ -31,6 +31,7 @@ from lightning_par.parallel.pipeline.schedule import build_stage_modules
 from lightning_par.parallel.hf.stages import hf_stage_runner
 from tests import launch
 from tests.helpers import assert_losses_match
+from tests.sweeps import together
 
 ROPE_ARCHS = ("llama", "qwen2", "mistral")
 
@@ -327,16 +328,18 @@ def _by_model_and_strategy(summaries: list[dict]) -> dict[tuple[str, str], dict]
     return {(s["model"], s["strategy"]): s for s in summaries}
 
 
+PARITY_TWO = (MODELS, f"strategy=single,{','.join(s for s, d in PARITY.items() if d == 2)}", "trainer.devices=2", DATA)
+PARITY_FOUR = (MODELS, f"strategy={','.join(s for s, d in PARITY.items() if d == 4)}", "trainer.devices=4", DATA)
+
+
 def summary_of(model: str, strategy: str) -> dict:
     """The run of ``model`` under ``strategy`` (``single``: the reference) from the shared sweeps."""
     from tests.sweeps import sweep
 
-    two = [s for s, d in PARITY.items() if d == 2]
-    four = [s for s, d in PARITY.items() if d == 4]
-    if strategy in ("single", *two):
-        runs = sweep(MODELS, f"strategy=single,{','.join(two)}", "trainer.devices=2", DATA, timeout=1400)
+    if strategy == "single" or PARITY[strategy] == 2:
+        runs = sweep(*PARITY_TWO, timeout=1400)
     else:
-        runs = sweep(MODELS, f"strategy={','.join(four)}", "trainer.devices=4", DATA, timeout=1400)
+        runs = sweep(*PARITY_FOUR, timeout=1400)
     return _by_model_and_strategy(runs)[(model, strategy)]
 
 
@@ -366,6 +369,14 @@ def test_gpt2_tied_parity(strategy):  # pipeline, tensor_parallel, fsdp_tp, 3d: 
 
 TIED = ("model=hf_llama_tiny", "model.tie_word_embeddings=true", DATA)
 CLIP = "trainer.gradient_clip_val=0.05"  # small enough that every step clips: the norm must count the weight once
+TIED_CLIPPED = (*TIED, CLIP, "strategy=single,pipeline", "trainer.devices=2")
+TIED_TWO = (*TIED, "strategy=single,tensor_parallel,pipeline", "trainer.devices=2")
+TIED_FOUR = (*TIED, "strategy=fsdp_tp,3d", "trainer.devices=4")
+CHECKPOINTING = {mode: ("model=hf_llama_tiny", "strategy=zero3,pipeline", f"strategy.activation_checkpointing={mode}",
+                        "trainer.devices=2", DATA) for mode in ("true", "selective")}
+# this module's own sweeps, run one after another in one process when the first is needed (sweeps.together);
+# not PARITY_TWO, whose single-device Llama test_chunked_loss reads too
+together(PARITY_FOUR, TIED_CLIPPED, TIED_TWO, TIED_FOUR, *CHECKPOINTING.values())
 
 
 @pytest.mark.slow
@@ -381,12 +392,11 @@ def test_tied_llama_model_parallel_matches_single(strategy, devices, clip):
     from tests.sweeps import by_strategy, sweep
 
     if clip:
-        runs = by_strategy(sweep(*TIED, CLIP, "strategy=single,pipeline", "trainer.devices=2"))
+        runs = by_strategy(sweep(*TIED_CLIPPED))
     elif devices == 2:
-        runs = by_strategy(sweep(*TIED, "strategy=single,tensor_parallel,pipeline", "trainer.devices=2"))
+        runs = by_strategy(sweep(*TIED_TWO))
     else:
-        runs = {**by_strategy(sweep(*TIED, "strategy=single,tensor_parallel,pipeline", "trainer.devices=2")),
-                **by_strategy(sweep(*TIED, "strategy=fsdp_tp,3d", "trainer.devices=4"))}
+        runs = {**by_strategy(sweep(*TIED_TWO)), **by_strategy(sweep(*TIED_FOUR))}
     assert runs[strategy]["world_size"] == devices
     assert_losses_match(runs[strategy], runs["single"])
 
@@ -408,8 +418,7 @@ def test_llama_activation_checkpointing_parity(strategy, mode):
     """Full and selective checkpointing (transformers' own checkpointing, handed the selective policy)."""
     from tests.sweeps import by_strategy, sweep
 
-    got = by_strategy(sweep("model=hf_llama_tiny", "strategy=zero3,pipeline", f"strategy.activation_checkpointing={mode}",
-                            "trainer.devices=2", DATA))[strategy]
+    got = by_strategy(sweep(*CHECKPOINTING[mode]))[strategy]
     # applied by transformers' own checkpointing, read from its layers (rank 0's under the pipeline)
     (applied,) = got["activation_checkpointing"].items()
     assert applied[0] == ("selective" if mode == "selective" else "full") and applied[1] >= 1, got["activation_checkpointing"]

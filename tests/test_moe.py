@@ -41,9 +41,20 @@ from tests.sweeps import (
     moe_two,
     sweep,
     sweep_dir,
+    together,
 )
 
 pytestmark = pytest.mark.timeout(600)
+
+# this module's own sweeps (shared ones: sweeps.py), run one after another in one process when the first is
+# needed (sweeps.together)
+PIPELINE_AUX = (*MOE_SGD, "+model.aux_loss_coef=1.0", "+model.z_loss_coef=0.1", "strategy=single,pipeline",
+                "trainer.devices=2")
+LAYOUTS = {"ep2xtp2": ("strategy=tensor_parallel", "strategy.tp=2"), "ep2xpp2": ("strategy=pipeline", "strategy.pp=2")}
+EP_WITH = {name: (*MOE_SGD, *layout, "strategy.ep=2", "trainer.devices=4") for name, layout in LAYOUTS.items()}
+FSDP_TP_EP = (*MOE_SGD, "strategy=fsdp_tp", "strategy.ep=2", "trainer.devices=4", "trainer.gradient_clip_val=null,0.5")
+SINGLE_CLIPPED = (*MOE_SGD, "strategy=single", "trainer.gradient_clip_val=0.5")
+together(PIPELINE_AUX, *EP_WITH.values(), FSDP_TP_EP, SINGLE_CLIPPED)
 
 
 # ------------------------------------------------------------------------------ fast, in-process
@@ -195,8 +206,7 @@ def test_pipeline_keeps_the_aux_losses_and_matches_single():
     both stages, every micro-batch, without the shape-inference forward of the first step. Measured
     when this was written: without the aux gradient the pipeline's cross-entropy drifted from the
     single run's by 0.3% at step 5 and 10% at step 10."""
-    runs = by_strategy(sweep(*MOE_SGD, "+model.aux_loss_coef=1.0", "+model.z_loss_coef=0.1",
-                             "strategy=single,pipeline", "trainer.devices=2"))
+    runs = by_strategy(sweep(*PIPELINE_AUX))
     s, ref = runs["pipeline"], runs["single"]
     assert s["mesh"] == {"pp": 2}
     assert_moe_parity(s, ref)
@@ -205,15 +215,14 @@ def test_pipeline_keeps_the_aux_losses_and_matches_single():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("strategy=tensor_parallel", "strategy.tp=2"), ("strategy=pipeline", "strategy.pp=2")],
-                         ids=["ep2xtp2", "ep2xpp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_composes_with_tensor_and_pipeline_parallelism(layout):
     """ep=2 taken from the data axis beside tp=2 (the MoE layers run whole on both tp ranks; attention
     and dense MLPs split) or beside pp=2 (each stage's experts over its own ep group), 4 ranks, against
     the single run: rtol 1e-6 (measured max 3.1e-7 and 2.5e-7), the same global tokens per expert."""
-    (s,) = sweep(*MOE_SGD, *layout, "strategy.ep=2", "trainer.devices=4")
+    (s,) = sweep(*EP_WITH[layout])
     ref = moe_two()["single"]
-    axis = layout[1].split(".")[1].split("=")[0]
+    axis = LAYOUTS[layout][1].split(".")[1].split("=")[0]
     assert s["world_size"] == 4 and s["mesh"] == {axis: 2, "ep": 2}
     assert_moe_parity(s, ref)
     assert_moe_figures(s, ref, ep=2)
@@ -227,9 +236,8 @@ def test_ep_times_fsdp_tp_clips_by_the_global_norm():
     20%), against the single run with the same clipping: rtol 1e-6 (measured max 3.1e-7 and 1.7e-7). The
     clipped run checks that the global norm combines every kind of gradient (FSDP x TP shards, experts on
     ep) over its own mesh."""
-    plain, clipped = sweep(*MOE_SGD, "strategy=fsdp_tp", "strategy.ep=2", "trainer.devices=4",
-                           "trainer.gradient_clip_val=null,0.5")
-    (ref_clipped,) = sweep(*MOE_SGD, "strategy=single", "trainer.gradient_clip_val=0.5")
+    plain, clipped = sweep(*FSDP_TP_EP)
+    (ref_clipped,) = sweep(*SINGLE_CLIPPED)
     ref = moe_two()["single"]
     assert np.max(np.abs(np.subtract(ref["losses"], ref_clipped["losses"]))) > 1e-3  # the clipping is active
     for s, r in ((plain, ref), (clipped, ref_clipped)):

@@ -21,6 +21,7 @@ from lightning_par.costs.shape import Shape
 from lightning_par.costs.estimate import estimate, model_shape
 from lightning_par.models.moe import PRESETS, MoEConfig, MoEGPT
 from tests.helpers import memtracker_step_peak
+from tests.sweeps import together
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -140,6 +141,15 @@ def _comm_and_states(s: dict, ep: int, data_parallel: str, accumulate: int = 1) 
     assert all(h == pytest.approx(est.params, rel=0.01) for h in held), (held, est.params)  # FSDP pads shards
 
 
+# this module's own sweeps (moe_two and ep x FSDP at 4 ranks are test_moe's too), run one after another in one
+# process when the first is needed (sweeps.together)
+EP_FSDP_WHOLE = ("model=moe_tiny", "model.optimizer=sgd", "model.lr=0.1", "strategy=expert_parallel", "trainer.devices=2",
+                 "strategy.data_parallel=fsdp")
+EP_ACCUMULATING = ("model=moe_tiny", "model.optimizer=sgd", "model.lr=0.1", "strategy=expert_parallel",
+                   "trainer.devices=2", "trainer.accumulate_grad_batches=2", "trainer.max_steps=3")
+together(EP_FSDP_WHOLE, EP_ACCUMULATING)
+
+
 @pytest.mark.slow
 def test_expert_parallel_comm_and_states_match_the_models():
     """ep=2 at 2 ranks (replicate), ep=2 x FSDP at 4 ranks, and FSDP with ep = the whole world at 2
@@ -149,18 +159,18 @@ def test_expert_parallel_comm_and_states_match_the_models():
     matches the single run's losses at rtol 1e-6 (SGD, test_moe.py's bound)."""
     from tests.sweeps import MOE_SGD, assert_moe_figures, assert_moe_parity, moe_two, sweep
 
+    assert EP_FSDP_WHOLE[:3] == EP_ACCUMULATING[:3] == MOE_SGD
     _comm_and_states(moe_two()["expert_parallel"], 2, "replicate")
     (four,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=4", "strategy.ep=2",
                     "strategy.data_parallel=fsdp")
     _comm_and_states(four, 2, "fsdp")
-    (whole,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=2", "strategy.data_parallel=fsdp")
+    (whole,) = sweep(*EP_FSDP_WHOLE)
     assert whole["mesh"] == {"ep": 2}
     _comm_and_states(whole, 2, "fsdp")
     assert_moe_parity(whole, moe_two()["single"])
     assert_moe_figures(whole, moe_two()["single"], ep=2)
     # 2 accumulated micro-batches: the all-to-alls and the replicated gradients' average, every micro-batch
-    (accumulating,) = sweep(*MOE_SGD, "strategy=expert_parallel", "trainer.devices=2",
-                            "trainer.accumulate_grad_batches=2", "trainer.max_steps=3")
+    (accumulating,) = sweep(*EP_ACCUMULATING)
     _comm_and_states(accumulating, 2, "replicate", accumulate=2)
 
 

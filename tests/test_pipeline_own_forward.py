@@ -23,7 +23,7 @@ from lightning_par.parallel.pipeline.schedule import build_schedule, build_stage
 from lightning_par.parallel.pipeline.stages import drop_remote_layers, measure_layer_times
 from lightning_par.parallel.hf.stages import hf_stage_runner
 from tests.dist import run_distributed
-from tests.helpers import assert_losses_match, run_cli, train_summary
+from tests.helpers import assert_losses_match, run_cli
 
 SEQ = 32
 WINDOW = 8  # shorter than SEQ: the sliding-window masks matter
@@ -244,23 +244,26 @@ E2E = ["model=hf_causal_lm", "model.arch=gemma2", "model.attn_implementation=eag
        "+model.config.sliding_window=16", "model.optimizer=sgd", "model.lr=0.2", "+model.momentum=0.9",
        "trainer.max_steps=10", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
        "data.seq_len=64", "data.global_batch_size=8", "data.max_bytes=400000"]
-_e2e: dict[str, dict] = {}
+E2E_LAYOUTS = {"single": 1, "pipeline": 2, "3d": 4}
 
 
-def _e2e_summary(strategy: str, devices: int, tmp_path_factory) -> dict:  # noqa: ANN001
-    if strategy not in _e2e:
-        run_dir = tmp_path_factory.mktemp(f"gemma2-{strategy}")
-        _e2e[strategy] = train_summary([f"strategy={strategy}", f"trainer.devices={devices}", *E2E], run_dir,
-                                       timeout=400)
-    return _e2e[strategy]
+@pytest.fixture(scope="module")
+def gemma2_runs(tmp_path_factory) -> dict:
+    """The three runs (single, pipeline at 2 ranks, 3d at 4), one after another in one process
+    (``tests/serial.py``: each as its ``python run.py ...`` command runs it)."""
+    from tests import serial
+
+    return serial.app_runs({s: [f"strategy={s}", f"trainer.devices={d}", *E2E] for s, d in E2E_LAYOUTS.items()},
+                           tmp_path_factory.mktemp("gemma2"), timeout=900)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy,devices", [("pipeline", 2), ("3d", 4)])
-def test_gemma2_eager_strategy_parity(strategy, devices, tmp_path_factory):
-    ref = _e2e_summary("single", 1, tmp_path_factory)
-    got = _e2e_summary(strategy, devices, tmp_path_factory)
+def test_gemma2_eager_strategy_parity(strategy, devices, gemma2_runs):
+    ref = gemma2_runs["single"].summary()
+    got = gemma2_runs[strategy].summary()
+    assert E2E_LAYOUTS[strategy] == devices and got["world_size"] == devices
     assert_losses_match(got, ref, rtol=1e-6, atol=0)
 
 

@@ -28,7 +28,7 @@ from lightning_par import ConfigError
 from lightning_par.parallel.memory.checkpointing import apply_activation_checkpointing, checkpointing_mode, every_kth
 from lightning_par.run.config_values import check_config_values
 from tests.helpers import assert_losses_match, composed
-from tests.sweeps import by_strategy, single_refs, sweep
+from tests.sweeps import by_strategy, single_refs, sweep, together
 
 TWO_RANKS = ("ddp", "zero1", "zero2", "zero3", "fsdp", "zero3_offload", "tensor_parallel", "pipeline")
 FOUR_RANKS = ("zero3", "fsdp", "hsdp")
@@ -136,16 +136,20 @@ def test_through_transformers_own_checkpointing_the_gradients_are_exact():
     assert kept["full"] < kept[2] < kept[None], kept
 
 
-#: (ranks, strategies) of the shared selective-checkpointing sweeps
+#: (ranks, strategies) of the selective-checkpointing sweeps
 SWEEPS = {2: TWO_RANKS, 4: FOUR_RANKS}
+SELECTIVE = {ranks: (f"strategy={','.join(names)}", f"trainer.devices={ranks}", "strategy.activation_checkpointing=selective")
+             for ranks, names in SWEEPS.items()}
+EVERY_KTH = ("strategy=fsdp,pipeline", "trainer.devices=2", "strategy.activation_checkpointing=2")
+# this module's sweeps, run one after another in one process when the first is needed (sweeps.together)
+together(*SELECTIVE.values(), EVERY_KTH)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("ranks,strategy", [(n, s) for n, names in SWEEPS.items() for s in names])
 def test_selective_checkpointing_matches_single(ranks, strategy):
-    s = by_strategy(sweep(f"strategy={','.join(SWEEPS[ranks])}", f"trainer.devices={ranks}",
-                          "strategy.activation_checkpointing=selective"))[strategy]
+    s = by_strategy(sweep(*SELECTIVE[ranks]))[strategy]
     assert s["world_size"] == ranks
     # applied, read from the modules: both blocks of gpt_tiny (rank 0's one under the pipeline)
     assert s["activation_checkpointing"] == {"selective": 1 if strategy == "pipeline" else 2}, s["activation_checkpointing"]
@@ -158,7 +162,7 @@ def test_every_kth_block_matches_single():
     """``activation_checkpointing=2`` at 2 ranks: fsdp checkpoints block 0 of gpt_tiny's two, and so does the
     pipeline's rank 0, whose stage holds block 0 (summary.json reports rank 0's modules); losses: the
     single-device run's (fp32, rtol 1e-5)."""
-    s = by_strategy(sweep("strategy=fsdp,pipeline", "trainer.devices=2", "strategy.activation_checkpointing=2"))
+    s = by_strategy(sweep(*EVERY_KTH))
     for name in ("fsdp", "pipeline"):
         assert s[name]["activation_checkpointing"] == {"full": 1}, (name, s[name]["activation_checkpointing"])
         assert_losses_match(s[name], single_refs()[0])

@@ -11,6 +11,9 @@
   unit of 1/4 of the table, gathered one tile at a time in forward and in backward (the whole table
   untiled); the untiled tied single run's losses under fsdp, zero3 (resumed from fsdp's step-6
   checkpoint) and a 2-stage pipeline (rtol 1e-5), the tie holding in the step-12 checkpoint.
+
+The parity runs share one process, one after another (``runs``, ``tests/serial.py``); the untiled GPT's
+reference is the shared single-device sweep's run of the same config.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 from lightning_par import ConfigError
 from lightning_par.parallel.memory.tiling import TiledEmbedding, TiledLinear, apply_tiling, check_tiling
 from tests.dist import run_distributed
-from tests.helpers import QUICK, assert_losses_match, train_summary
+from tests.helpers import QUICK, assert_losses_match
 
 
 def test_tiled_linear_is_the_same_function():
@@ -192,45 +195,71 @@ def test_tied_tiles_materialise_to_the_untiled_weights():
     assert others and all(torch.equal(p, tiled.get_parameter(n)) for n, p in others.items())
 
 
+GPT_TILING = "{net.head.lm_head:4,net.embed.tok:4,net.blocks.0.attn.wq:2,net.blocks.1.attn.wo:2,net.blocks.0.mlp.fc:4}"
+HF = ["model=hf_causal_lm", "model.hidden=64", "model.intermediate=128"]
+HF_TILING = "{net.model.embed_tokens:4,net.model.layers.0.self_attn.q_proj:2,net.model.layers.1.mlp.gate_proj:4}"
+GPT2 = ["model=hf_causal_lm", "model.arch=gpt2", "model.kv_heads=null", "model.intermediate=128"]
+GPT2_TILING = "{net.transformer.h.0.attn.c_attn:4,net.transformer.h.1.mlp.c_fc:2,net.transformer.h.1.attn.c_proj:2}"
+TIED = ["model=hf_causal_lm", "model.hidden=64", "model.intermediate=128", "model.tie_word_embeddings=true"]
+BOTH = "{net.model.embed_tokens:4,net.lm_head:4}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The runs of the parity tests below, one after another in one process (``tests/serial.py``: each as
+    ``python run.py ...`` runs it, in a run directory of its own); zero3 resumes from the tied fsdp run's
+    step-6 checkpoint, so it runs after it. (The untiled GPT reference is the shared single-device sweep's.)"""
+    from tests import serial
+
+    root = tmp_path_factory.mktemp("runs")
+    fsdp = ["strategy=fsdp", "trainer.devices=2"]
+    return serial.app_runs({
+        "gpt-fsdp": [*QUICK, *fsdp, f"+strategy.tiling={GPT_TILING}"],
+        "hf-single": [*QUICK, *HF],
+        "hf-fsdp": [*QUICK, *HF, *fsdp, f"+strategy.tiling={HF_TILING}"],
+        "gpt2-single": [*QUICK, *GPT2],
+        "gpt2-fsdp": [*QUICK, *GPT2, *fsdp, f"+strategy.tiling={GPT2_TILING}"],
+        "tied-single": [*QUICK, *TIED],
+        "tied-fsdp": [*QUICK, *TIED, *fsdp, f"+strategy.tiling={BOTH}", "callbacks=checkpoint",
+                      "callbacks.checkpoint.every_n_train_steps=3"],
+        "tied-zero3": [*QUICK, *TIED, "strategy=zero3", "trainer.devices=2", "+strategy.tiling={net.model.embed_tokens:4}",
+                       f"ckpt_path={root / 'tied-fsdp' / 'checkpoints' / 'step000006.ckpt'}"],
+        "tied-pipeline": [*QUICK, *TIED, "strategy=pipeline", "trainer.devices=2",
+                          "+strategy.tiling={net.model.embed_tokens:4}"],
+    }, root)
+
+
 @pytest.mark.slow
-def test_tiled_fsdp_matches_untiled_single(tmp_path):
+@pytest.mark.timeout(900)  # the first one runs them all (``runs``)
+def test_tiled_fsdp_matches_untiled_single(runs):
     """Every kind of large layer tiled at once -- the vocabulary embedding (row tiles), attention
-    projections, the MLP and the head -- under fsdp at 2 ranks: the untiled single run's losses."""
-    ref = train_summary(QUICK, tmp_path / "single")
-    tiling = ("{net.head.lm_head:4,net.embed.tok:4,net.blocks.0.attn.wq:2,net.blocks.1.attn.wo:2,"
-              "net.blocks.0.mlp.fc:4}")
-    got = train_summary([*QUICK, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={tiling}"],
-                        tmp_path / "fsdp_tiled")
-    assert_losses_match(got, ref, rtol=1e-5)
+    projections, the MLP and the head -- under fsdp at 2 ranks: the untiled single run's losses (the shared
+    single-device sweep's run of the same config, ``sweeps.single_refs``)."""
+    from tests.sweeps import single_refs
+
+    assert_losses_match(runs["gpt-fsdp"].summary(), single_refs()[0], rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_tiled_hugging_face_model_matches_untiled_single(tmp_path):
+@pytest.mark.timeout(900)  # the first one runs them all (``runs``)
+def test_tiled_hugging_face_model_matches_untiled_single(runs):
     """A Hugging Face Llama (built from a config) with its token embedding, a query projection and an
     MLP projection tiled, under fsdp at 2 ranks: the untiled single run's losses (rtol 1e-5)."""
-    hf = ["model=hf_causal_lm", "model.hidden=64", "model.intermediate=128"]
-    ref = train_summary([*QUICK, *hf], tmp_path / "single")
-    tiling = "{net.model.embed_tokens:4,net.model.layers.0.self_attn.q_proj:2,net.model.layers.1.mlp.gate_proj:4}"
-    got = train_summary([*QUICK, *hf, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={tiling}"],
-                        tmp_path / "fsdp_tiled")
-    assert_losses_match(got, ref, rtol=1e-5)
+    assert_losses_match(runs["hf-fsdp"].summary(), runs["hf-single"].summary(), rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_tiled_gpt2_conv1d_matches_untiled_single(tmp_path):
+@pytest.mark.timeout(900)  # the first one runs them all (``runs``)
+def test_tiled_gpt2_conv1d_matches_untiled_single(runs):
     """A Hugging Face GPT-2 (built from a config) with its fused c_attn, an MLP c_fc and
     an attention c_proj tiled (transformers' Conv1D, column tiles), under fsdp at 2 ranks: the untiled
     single run's losses (rtol 1e-5)."""
-    hf = ["model=hf_causal_lm", "model.arch=gpt2", "model.kv_heads=null", "model.intermediate=128"]
-    ref = train_summary([*QUICK, *hf], tmp_path / "single")
-    tiling = "{net.transformer.h.0.attn.c_attn:4,net.transformer.h.1.mlp.c_fc:2,net.transformer.h.1.attn.c_proj:2}"
-    got = train_summary([*QUICK, *hf, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={tiling}"],
-                        tmp_path / "fsdp_tiled")
-    assert_losses_match(got, ref, rtol=1e-5)
+    assert_losses_match(runs["gpt2-fsdp"].summary(), runs["gpt2-single"].summary(), rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_tied_llama_tiled_matches_untiled_single(tmp_path):
+@pytest.mark.timeout(900)  # the first one runs them all (``runs``)
+def test_tied_llama_tiled_matches_untiled_single(runs):
     """A Hugging Face Llama with tied embeddings, its embedding and head tiled together (both paths
     named under fsdp; only the embedding's under zero3 and the pipeline): the untiled tied single run's
     losses at rtol 1e-5 -- an untied head would train differently. zero3 resumes from fsdp's step-6
@@ -239,19 +268,14 @@ def test_tied_llama_tiled_matches_untiled_single(tmp_path):
     import numpy as np
     import torch.distributed.checkpoint as dcp
 
-    hf = ["model=hf_causal_lm", "model.hidden=64", "model.intermediate=128", "model.tie_word_embeddings=true"]
-    ref = train_summary([*QUICK, *hf], tmp_path / "single")
-    both = "{net.model.embed_tokens:4,net.lm_head:4}"
-    fsdp = train_summary([*QUICK, *hf, "strategy=fsdp", "trainer.devices=2", f"+strategy.tiling={both}",
-                          "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=3"], tmp_path / "fsdp")
+    ref = runs["tied-single"].summary()
+    fsdp = runs["tied-fsdp"].summary()
     assert_losses_match(fsdp, ref, rtol=1e-5)
-    checkpoints = tmp_path / "fsdp" / "checkpoints"
-    resumed = train_summary([*QUICK, *hf, "strategy=zero3", "trainer.devices=2",
-                             "+strategy.tiling={net.model.embed_tokens:4}",
-                             f"ckpt_path={checkpoints / 'step000006.ckpt'}"], tmp_path / "zero3")
+    checkpoints = runs["tied-fsdp"].dir / "checkpoints"
+    assert f"ckpt_path={checkpoints / 'step000006.ckpt'}" in runs["tied-zero3"].job.args
+    resumed = runs["tied-zero3"].summary()
     np.testing.assert_allclose(resumed["losses"][-6:], ref["losses"][6:], rtol=1e-5, atol=1e-6)
-    pipeline = train_summary([*QUICK, *hf, "strategy=pipeline", "trainer.devices=2",
-                              "+strategy.tiling={net.model.embed_tokens:4}"], tmp_path / "pipeline")
+    pipeline = runs["tied-pipeline"].summary()
     assert_losses_match(pipeline, ref, rtol=1e-5)
     names = [f"net.{layer}.tiles.{i}.weight" for i in range(4) for layer in ("model.embed_tokens", "lm_head")]
     state = {n: torch.empty(64, 64) for n in names}
