@@ -10,8 +10,6 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,6 @@ import yaml
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_par.strategies  # noqa: F401 -- registers the strategies
-from tests import launch
 from tests.helpers import QUICK, ROOT, assert_losses_match
 from lightning_par.costs.comm import TRAFFIC_MODELS, CommShape, step_comm_bytes
 from lightning_par.costs.shape import Shape
@@ -109,13 +106,6 @@ def _files(root: Path) -> dict[str, bytes]:
             if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".yaml")}
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(cwd))
-    proc = launch.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{args}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
 @pytest.mark.timeout(600)
 def test_a_new_strategy_is_one_entry_one_class_one_yaml(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "lightning_par", tmp_path / "lightning_par",
@@ -134,8 +124,10 @@ def test_a_new_strategy_is_one_entry_one_class_one_yaml(tmp_path: Path) -> None:
     changed = {k for k in after if before.get(k) != after[k]}
     assert changed == {"strategies/toy.py", "conf/strategy/toy.yaml", "strategies/catalog.py"}, changed
 
-    # the registry, the estimator, the comm model and the advisor know it
-    probe = _run(["-c", """
+    # the registry, the estimator, the comm model and the advisor know it; then it trains the model one device
+    # trains. The five commands run one after another in one interpreter (tests/serial.py: each as its command
+    # runs it), with the copy first on the path
+    (tmp_path / "probe.py").write_text("""
 import json, lightning_par, lightning_par.strategies
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning_par.costs.comm import step_comm_bytes
@@ -144,22 +136,31 @@ print(json.dumps({"file": lightning_par.__file__, "registered": StrategyRegistry
                   "comm": step_comm_bytes("toy", n_params=1000, mesh={"dp_shard": 4}),
                   "peak": estimate(10**9, devices=4, strategy="toy", precision="32-true").peak,
                   "ddp_peak": estimate(10**9, devices=4, strategy="ddp", precision="32-true").peak}))
-"""], tmp_path)
-    got = json.loads(probe.stdout.strip().splitlines()[-1])
+""")
+    from tests import serial
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path))
+    done = serial.run({
+        "probe": [],
+        "advice": ["--model", "gpt2", "--devices-per-node", "4"],
+        "estimate": ["mode=estimate", "model=gpt2", "strategy=toy", "trainer.devices=4", f"hydra.run.dir={tmp_path / 'estimate'}"],
+        **{strategy: [*QUICK, f"strategy={strategy}", f"trainer.devices={devices}", f"hydra.run.dir={tmp_path / strategy}"]
+           for strategy, devices in (("single", 1), ("toy", 2))},
+    }, tmp_path / "output", script=tmp_path / "run.py", env=env, cwd=tmp_path, timeout=600,
+        programs={"probe": tmp_path / "probe.py", "advice": "-m lightning_par.modes.advise"})
+    got = json.loads(done["probe"].check().stdout.strip().splitlines()[-1])
     assert got["file"].startswith(str(tmp_path)) and got["registered"] == "ToyStrategy"
     assert got["comm"] == {"all_gather": {"dp_shard": 8000}, "reduce_scatter": {"dp_shard": 4000}}
     assert got["peak"] < got["ddp_peak"] / 3  # everything sharded over 4 ranks
-    advice = _run(["-m", "lightning_par.modes.advise", "--model", "gpt2", "--devices-per-node", "4"], tmp_path)
+    advice = done["advice"].check()
     assert any(line.startswith("toy ") for line in advice.stdout.splitlines()), advice.stdout
-    estimate_run = _run(["run.py", "mode=estimate", "model=gpt2", "strategy=toy", "trainer.devices=4",
-                         f"hydra.run.dir={tmp_path / 'estimate'}"], tmp_path)
+    estimate_run = done["estimate"].check()
     assert any(line.startswith("toy ") for line in estimate_run.stdout.splitlines()), estimate_run.stdout
 
     # and it trains the model one device trains (fp32, gloo; rtol 1e-5 on every one of 12 steps)
     runs = {}
-    for strategy, devices in (("single", 1), ("toy", 2)):
-        _run(["run.py", *QUICK, f"strategy={strategy}", f"trainer.devices={devices}",
-              f"hydra.run.dir={tmp_path / strategy}"], tmp_path)
+    for strategy in ("single", "toy"):
+        done[strategy].check()
         runs[strategy] = json.loads((tmp_path / strategy / "summary.json").read_text())
     assert runs["toy"]["strategy"] == "toy" and runs["toy"]["world_size"] == 2
     assert_losses_match(runs["toy"], runs["single"])
