@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -283,15 +284,13 @@ TWO_RANKS = {"qlora-fsdp-2": ["strategy=fsdp", "model.lora.base=nf4"],
 @pytest.fixture(scope="module")
 def runs(finetune_answers, tmp_path_factory) -> dict[str, tuple[int | None, Path, str]]:
     """Job -> (exit status, output directory, what its process printed) of the module's training runs, one after
-    another in one process (``test_advisor.SERIAL``: they share the product's fork server of CPU ranks, started
+    another in one process (``tests/serial.py``: they share the product's fork server of CPU ranks, started
     once), each by the console script ``lightning-par``: the advisor's two printed commands scaled down
     (``tests/test_advisor.py``'s ``scaled``: sizes substituted, 2 steps, the summary callbacks kept here) and
     the 2-rank runs of ``TWO_RANKS``."""
-    import sys
-
-    from tests import launch
+    from tests import serial
     from tests.helpers import QUICK
-    from tests.test_advisor import BIN, SERIAL, scaled
+    from tests.test_advisor import BIN, scaled
 
     root = tmp_path_factory.mktemp("lora_runs")
     words = {case: [w for w in scaled(_command(finetune_answers[case]), devices) if w != "callbacks=none"]
@@ -300,12 +299,9 @@ def runs(finetune_answers, tmp_path_factory) -> dict[str, tuple[int | None, Path
         words[job] = [*QUICK, *args, "trainer.devices=2", "model.lora.rank=4", "trainer.max_steps=3"]
     spec = {job: [*args, f"paths.output_dir={root / job}", f"hydra.run.dir={root / job / 'run'}"]
             for job, args in words.items()}
-    out = root / "status.json"
-    done = launch.run([sys.executable, "-c", SERIAL, str(BIN / "lightning-par"), json.dumps(spec), str(out)],
-                      capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    status = json.loads(out.read_text()) if out.exists() else {}
-    printed = f"(process: exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return {job: (status.get(job), root / job, printed) for job in spec}
+    done = serial.run(spec, root / "process", script=BIN / "lightning-par", env=dict(os.environ), timeout=600)
+    return {job: (done[job].returncode, root / job, f"{done[job].stdout[-3000:]}\n{done[job].stderr[-6000:]}")
+            for job in spec}
 
 
 @pytest.mark.parametrize("case", list(FINETUNE))

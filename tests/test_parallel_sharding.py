@@ -63,7 +63,7 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
 
 def _zero2_state_bytes(model: nn.Module, opt: Zero2Optimizer) -> dict[str, int]:
     """What the memory callback counts for strategy=zero2 holding ``opt`` (its ``model_state_tensors``)."""
-    strategy = SimpleNamespace(optimizers=[opt])
+    strategy = SimpleNamespace(optimizers=[opt], lightning_module=model)
     strategy.model_state_tensors = lambda: Zero2Strategy.model_state_tensors(strategy)
     states = measure_model_states(strategy, model, [opt])
     return {k: states[k] for k in ("params", "grads", "optimizer_state")}
