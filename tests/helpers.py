@@ -140,18 +140,23 @@ def tiny_causal_lm(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
 def saved_bytes_of_layer(net: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, precision: str) -> int:
     """Bytes of the tensors autograd first saves inside ``layer`` during a forward and cross-entropy of ``net``
     on tokens ``x`` (each storage once; parameters and what earlier layers saved -- RoPE's shared cos/sin --
-    left out, autocast's weight copies in), counted with ``saved_tensors_hooks``."""
+    left out, autocast's weight copies in), counted with ``saved_tensors_hooks``. A QLoRA model's NF4 weights
+    (torchao's subclass: their inner storages are parameters too, and its matmul saves the weight itself) count
+    as parameters."""
     from contextlib import nullcontext
 
+    from lightning_par.callbacks.memory import stored_tensors
     from lightning_par.models.module import cross_entropy
 
-    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    params = {t.untyped_storage().data_ptr() for t in stored_tensors(net.parameters())}
     seen: dict[int, tuple[bool, int]] = {}  # storage -> (first saved inside the layer, bytes)
     inside = [False]
     hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
              layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if type(t).__name__ == "NF4Tensor":  # a frozen 4-bit weight (a parameter; it has no storage of its own)
+            return t
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
             seen.setdefault(storage.data_ptr(), (inside[0], storage.nbytes()))

@@ -33,6 +33,7 @@ from lightning_par.callbacks.memory import stored_tensors
 from lightning_par.costs.activations import layer_bytes_per_token, lora_model_bytes, weight_copy_bytes
 from lightning_par.costs.estimate import estimate
 from lightning_par.costs.shape import Shape
+from tests.helpers import saved_bytes_of_layer
 from lightning_par.costs.states import nf4_bytes
 from lightning_par.costs.step_time import flops_per_token, forward_flops_per_token
 from lightning_par.parallel.adapters.lora import apply_lora, lora_option, quantize_bases, to_nf4
@@ -89,32 +90,6 @@ def test_nf4_bytes_are_the_stored_bytes():
 
 
 # ------------------------------------------------------------------------------------------------ activations
-def saved_bytes(net: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, precision: str) -> int:
-    """``tests/helpers.saved_bytes_of_layer`` for a model whose parameters may be NF4 (their inner storages are
-    parameters too; torchao's matmul saves the NF4 weight itself)."""
-    from lightning_par.models.module import cross_entropy
-
-    params = {t.untyped_storage().data_ptr() for t in stored_tensors(net.parameters())}
-    seen: dict[int, tuple[bool, int]] = {}
-    inside = [False]
-    hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-             layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if type(t).__name__ != "NF4Tensor" and t.untyped_storage().data_ptr() not in params:
-            seen.setdefault(t.untyped_storage().data_ptr(), (inside[0], t.untyped_storage().nbytes()))
-        return t
-
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-            cross_entropy(net(x), x)
-    finally:
-        for h in hooks:
-            h.remove()
-    return sum(n for mine, n in seen.values() if mine)
-
-
 LAYER_CASES = {
     "gpt-default-fp32": ("gpt", "32-true", {"rank": 4}),
     "gpt-default-bf16": ("gpt", "bf16-mixed", {"rank": 4}),
@@ -143,12 +118,12 @@ def test_a_lora_layer_saves_what_the_estimator_counts(case):
     nf4 = lo["block_adapted"] if shape.lora.base == "nf4" else 0
     want = layer_bytes_per_token(shape, precision, device="cpu") * B * T + weight_copy_bytes(
         u["block_matmul"] + lo["block_lora"] - nf4, precision)
-    got = saved_bytes(net, blocks(net)[1], x, precision)
+    got = saved_bytes_of_layer(net, blocks(net)[1], x, precision)
     assert got == want, f"{case}: saved {got:,} B, estimated {want:,.0f} B"
     per_token, fixed, _ = lora_model_bytes(shape, precision, device="cpu")
     first = want - per_token * B * T - fixed
     rope = 2 * T * (shape.n_embd // shape.n_head) * 4 if arch == "llama" else 0
-    got0 = saved_bytes(net, blocks(net)[0], x, precision)
+    got0 = saved_bytes_of_layer(net, blocks(net)[0], x, precision)
     assert abs(got0 - first - rope) <= 0.01 * got0, f"{case}: first block saved {got0:,} B, estimated {first:,.0f} B"
     assert first < want  # the first block saves less than the others
 

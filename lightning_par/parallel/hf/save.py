@@ -146,13 +146,8 @@ def save_sharded_pretrained(model: nn.Module, save_directory: str | os.PathLike,
     ``save_directory``; the other ranks take part in gathering each tensor. A rank that calls it while
     another does not raises ``SaveError`` after ``ARRIVAL_TIMEOUT_S`` instead of waiting for ever. With
     ``state_dict=`` (full tensors the caller gathered) transformers' own method writes it."""
-    if state_dict is not None:
-        return type(model).save_pretrained(model, save_directory, is_main_process=is_main_process,
-                                           state_dict=state_dict, push_to_hub=push_to_hub,
-                                           max_shard_size=max_shard_size, variant=variant, token=token,
-                                           save_peft_format=save_peft_format,
-                                           save_original_format=save_original_format,
-                                           distributed_checkpoint=distributed_checkpoint, **kwargs)
+    if state_dict is not None:  # full tensors the caller gathered: transformers' own method writes them
+        return type(model).save_pretrained(model, save_directory, **_given(locals(), kwargs))
     name = f"{type(model).__name__.removeprefix('FSDP')}.save_pretrained"
     _refuse_unsupported(model, name, push_to_hub=push_to_hub, distributed_checkpoint=distributed_checkpoint)
     if model not in _CHECKS:
@@ -181,6 +176,11 @@ def save_sharded_pretrained(model: nn.Module, save_directory: str | os.PathLike,
     _finish(error, directory, name)
 
 
+def _given(args: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A ``save_pretrained`` replacement's own arguments, as transformers' method takes them."""
+    return {**{k: v for k, v in args.items() if k not in ("model", "save_directory", "kwargs")}, **kwargs}
+
+
 def save_merged_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main_process: bool = True,
                            state_dict: dict | None = None, push_to_hub: bool = False,
                            max_shard_size: int | str = "50GB", variant: str | None = None,
@@ -191,13 +191,8 @@ def save_merged_pretrained(model: nn.Module, save_directory: str | os.PathLike, 
     model, in the files transformers writes, one layer's tensors at a time. Not a collective: call it where
     transformers' own method would be called (one process writes when ``is_main_process``). With
     ``state_dict=`` transformers' own method writes that state dict."""
-    if state_dict is not None:
-        return type(model).save_pretrained(model, save_directory, is_main_process=is_main_process,
-                                           state_dict=state_dict, push_to_hub=push_to_hub,
-                                           max_shard_size=max_shard_size, variant=variant, token=token,
-                                           save_peft_format=save_peft_format,
-                                           save_original_format=save_original_format,
-                                           distributed_checkpoint=distributed_checkpoint, **kwargs)
+    if state_dict is not None:  # full tensors the caller gathered: transformers' own method writes them
+        return type(model).save_pretrained(model, save_directory, **_given(locals(), kwargs))
     name = f"{type(model).__name__}.save_pretrained"
     _refuse_unsupported(model, name, push_to_hub=push_to_hub, distributed_checkpoint=distributed_checkpoint)
     tensors = _state_tensors(model)
