@@ -178,10 +178,6 @@ def apply_lora(net: nn.Module, cfg: LoRAConfig, *, exclude: Iterable[nn.Module] 
     return paths
 
 
-def is_lora_parameter(name: str) -> bool:
-    return ".lora_A." in f".{name}" or ".lora_B." in f".{name}"
-
-
 # a LoRA layer's keys in a state dict (the export's and the sharded save's; ``strategies/checkpoint/lora_export.py``)
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
@@ -348,11 +344,6 @@ def fill_nf4(target: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(q)  # the quantized values, the block scales and their factors
     # to_empty left the per-weight constants (the scales' mean, NF4's 16 code values) on meta: copy_ skips them
     local.scaler_mean, local.nf4 = q.scaler_mean.clone(), q.nf4.clone()
-
-
-def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """An NF4 weight's values in full precision (the reference a QLoRA run is compared with)."""
-    return weight.get_original_weight() if _is_nf4(weight) else weight
 
 
 def dequantized_state(state: dict[str, Any]) -> dict[str, Any]:
